@@ -1,0 +1,32 @@
+# Two entry points, each self-installing on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONSTRAINTS := requirements/constraints.txt
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0 -c $(CONSTRAINTS)
+	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench]" -c $(CONSTRAINTS)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m mogradient.demo --out results/demo
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_mgda_exactness.py
+	$(PY) benchmarks/bench_gradient_engines.py
+
+clean:
+	rm -rf $(VENV) results

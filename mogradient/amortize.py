@@ -1,0 +1,112 @@
+"""Amortized harmonization: a full solve every N steps, cached smoothed weights in between.
+
+With a :class:`~mogradient.objectives.CombinableLoss`, a cached step costs one backward
+of ``loss.combined(weights)`` and applies exactly sum_k w_k g_k. Fallbacks are explicit:
+every step reports whether it solved, and why it did not use a fresh solution.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from mogradient.ema import WeightEMA
+from mogradient.harmonizers.base import Harmonization, Harmonizer
+
+logger = logging.getLogger("mogradient.amortize")
+
+
+@dataclass(frozen=True)
+class AmortizedStep:
+    """The weights to apply this step and how they were obtained."""
+
+    weights: torch.Tensor
+    solved: bool
+    harmonization: Harmonization | None = None
+    fallback: str | None = None
+
+
+class Amortizer:
+    """Schedule full solves (every step during warm-up, then every ``period`` steps) and cache.
+
+    After each successful full solve the raw-gradient weights are folded into an EMA
+    (``rho``; 0 disables smoothing) and the smoothed weights are applied on that step
+    and on the cached steps that follow. A full solve that cannot produce a fresh
+    solution (no usable gradient, solver error) keeps the cache and says so; a solve
+    with a single usable objective applies that objective alone for the step but does
+    not overwrite the cache.
+    """
+
+    def __init__(
+        self, harmonizer: Harmonizer, period: int = 10, warmup_steps: int = 0, rho: float = 0.7
+    ) -> None:
+        if period < 1:
+            raise ValueError(f"period must be >= 1 (1 = solve every step), got {period}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.harmonizer = harmonizer
+        self.period = int(period)
+        self.warmup_steps = int(warmup_steps)
+        self.ema = WeightEMA(rho)
+        self.step = 0
+        self._steps_since_solve: int | None = None
+
+    def needs_full_solve(self) -> bool:
+        """Whether the coming step must compute per-objective gradients."""
+        if self.ema.value is None or self.step < self.warmup_steps:
+            return True
+        return self._steps_since_solve is None or self._steps_since_solve >= self.period - 1
+
+    def full_step(
+        self, jacobian: torch.Tensor | None = None, *, gram: torch.Tensor | None = None
+    ) -> AmortizedStep:
+        """Solve on this step's per-objective gradients (or their Gram) and update the cache."""
+        try:
+            harmonization = self.harmonizer(jacobian, gram=gram)
+        except (RuntimeError, ValueError) as error:
+            return self._fallback_step(f"solver_failure: {error}")
+        if harmonization.fallback == "no_usable_objective":
+            return self._fallback_step("no_usable_objective", harmonization)
+        self._steps_since_solve = 0
+        self.step += 1
+        if harmonization.fallback == "single_objective":
+            logger.info("full solve had a single usable objective; cache kept")
+            return AmortizedStep(harmonization.weights, True, harmonization, "single_objective")
+        weights = self.ema.update(harmonization.weights)
+        return AmortizedStep(weights, True, harmonization, harmonization.fallback)
+
+    def cached_step(self) -> AmortizedStep:
+        """Weights for a step without per-objective gradients."""
+        if self.ema.value is None:
+            raise RuntimeError("no cached weights yet: the first step must be a full solve")
+        self.step += 1
+        if self._steps_since_solve is not None:
+            self._steps_since_solve += 1
+        return AmortizedStep(self.ema.value.clone(), solved=False)
+
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "steps_since_solve": self._steps_since_solve,
+            "ema": self.ema.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.step = int(state["step"])  # type: ignore[arg-type]
+        self._steps_since_solve = state["steps_since_solve"]  # type: ignore[assignment]
+        self.ema.load_state_dict(state["ema"])  # type: ignore[arg-type]
+
+    def _fallback_step(
+        self, reason: str, harmonization: Harmonization | None = None
+    ) -> AmortizedStep:
+        logger.warning("harmonization fallback at step %d: %s", self.step, reason)
+        self.step += 1
+        if self._steps_since_solve is not None:
+            self._steps_since_solve += 1
+        if self.ema.value is not None:
+            return AmortizedStep(self.ema.value.clone(), False, harmonization, reason)
+        count = harmonization.weights.numel() if harmonization is not None else 0
+        weights = torch.zeros(count, dtype=torch.float64)
+        return AmortizedStep(weights, False, harmonization, reason)

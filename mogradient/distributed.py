@@ -1,0 +1,72 @@
+"""Per-objective gradients under DistributedDataParallel.
+
+Each rank computes its K local gradients inside ``no_sync()`` (forward included, so
+DDP does not wait for a backward that never comes), then one all-reduce averages the
+K x D buffer. Every rank then holds the same stack, harmonizes it in float64 and
+writes the same direction into ``.grad``: the optimizer step is synchronized without
+a second backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from mogradient.gradients import combinable_gradients, objective_gradients, write_gradient
+from mogradient.harmonizers.base import Harmonization, Harmonizer, combine
+from mogradient.objectives import CombinableLoss
+
+LossFunction = Callable[[], "torch.Tensor | Sequence[torch.Tensor] | CombinableLoss"]
+
+
+def ddp_objective_gradients(
+    model: DistributedDataParallel,
+    compute_losses: LossFunction,
+    parameters: Sequence[torch.Tensor],
+    method: str = "sequential",
+) -> torch.Tensor:
+    """Rank-averaged K x D gradients; ``compute_losses`` runs the forward under ``no_sync``."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+    with model.no_sync():
+        losses = compute_losses()
+        if isinstance(losses, CombinableLoss):
+            stack = combinable_gradients(losses, parameters, method=method)
+        else:
+            stack = objective_gradients(losses, parameters, method=method)
+    dist.all_reduce(stack, op=dist.ReduceOp.SUM)
+    stack /= dist.get_world_size()
+    return stack
+
+
+def apply_harmonized(
+    parameters: Sequence[torch.Tensor],
+    jacobian: torch.Tensor,
+    harmonizer: Harmonizer,
+    broadcast_from: int | None = 0,
+) -> Harmonization:
+    """Harmonize a rank-averaged stack and write the direction into ``.grad``.
+
+    The stack is identical on all ranks, so the float64 solve is too; broadcasting the
+    weights from ``broadcast_from`` (default rank 0) makes that a guarantee rather than
+    an assumption about bitwise-reproducible collectives.
+    """
+    harmonization = harmonizer(jacobian)
+    weights = harmonization.weights
+    if broadcast_from is not None and dist.is_initialized():
+        weights = weights.to(jacobian.device)
+        dist.broadcast(weights, src=broadcast_from)
+        weights = weights.cpu()
+    direction = combine(jacobian, weights)
+    write_gradient(parameters, direction)
+    return Harmonization(
+        weights,
+        direction,
+        harmonization.dropped,
+        harmonization.fallback,
+        harmonization.kkt_residual,
+        harmonization.extras,
+    )

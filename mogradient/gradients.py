@@ -1,0 +1,164 @@
+"""Per-objective gradient engines: the K x D stack of gradients of K losses.
+
+Two local engines: ``sequential`` (K backward passes, lowest peak memory) and
+``batched`` (one vmapped backward with K cotangents, optionally in chunks). The DDP
+engine lives in :mod:`mogradient.distributed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from mogradient.objectives import CombinableLoss
+
+ParameterFilter = Callable[[str, nn.Parameter], bool]
+
+
+def select_parameters(module: nn.Module, keep: ParameterFilter | None = None) -> list[nn.Parameter]:
+    """Trainable parameters of ``module`` that pass ``keep(name, parameter)`` (e.g. LoRA only)."""
+    selected = [
+        parameter
+        for name, parameter in module.named_parameters()
+        if parameter.requires_grad and (keep is None or keep(name, parameter))
+    ]
+    if not selected:
+        raise ValueError(
+            f"no trainable parameters selected in {type(module).__name__}: check that "
+            "requires_grad is set and that the parameter filter matches some names"
+        )
+    return selected
+
+
+def objective_gradients(
+    losses: torch.Tensor | Sequence[torch.Tensor],
+    parameters: Iterable[torch.Tensor],
+    method: str = "sequential",
+    chunk_size: int | None = None,
+    retain_graph: bool = False,
+) -> torch.Tensor:
+    """Return the K x D stack of flattened gradients of each loss w.r.t. ``parameters``.
+
+    A parameter that a loss does not depend on contributes zeros. ``retain_graph``
+    keeps the graph alive after the last pass (for a later combined backward).
+    """
+    parameters = _checked_parameters(parameters)
+    losses = _stacked_losses(losses)
+    if method == "sequential":
+        rows = []
+        for index, loss in enumerate(losses):
+            keep = retain_graph or index < len(losses) - 1
+            grads = torch.autograd.grad(loss, parameters, retain_graph=keep, allow_unused=True)
+            rows.append(_flatten(grads, parameters))
+        return torch.stack(rows)
+    if method == "batched":
+        return _batched_vjp(
+            losses,
+            torch.eye(len(losses), dtype=losses.dtype, device=losses.device),
+            parameters,
+            chunk_size,
+            retain_graph,
+        )
+    raise ValueError(f"unknown gradient method {method!r}; use 'sequential' or 'batched'")
+
+
+def combinable_gradients(
+    loss: CombinableLoss,
+    parameters: Iterable[torch.Tensor],
+    method: str = "batched",
+    chunk_size: int | None = None,
+    retain_graph: bool = False,
+) -> torch.Tensor:
+    """K x D gradients of a :class:`CombinableLoss`'s objectives (``extra`` excluded).
+
+    ``batched`` back-propagates the shared terms once per chunk of objectives with the
+    coefficients as cotangents, so the forward graph is walked K/chunk times in one
+    vmapped pass instead of K separate ones.
+    """
+    parameters = _checked_parameters(parameters)
+    if method == "sequential":
+        return objective_gradients(
+            loss.objective_losses(), parameters, "sequential", retain_graph=retain_graph
+        )
+    if method != "batched":
+        raise ValueError(f"unknown gradient method {method!r}; use 'sequential' or 'batched'")
+    terms = loss.terms.reshape(-1)
+    cotangents = loss.coefficients.to(terms.dtype).reshape(loss.num_objectives, -1)
+    return _batched_vjp(terms, cotangents, parameters, chunk_size, retain_graph)
+
+
+def write_gradient(parameters: Iterable[torch.Tensor], direction: torch.Tensor) -> None:
+    """Store a flat direction into ``.grad`` of each parameter (replacing what was there)."""
+    parameters = list(parameters)
+    total = sum(parameter.numel() for parameter in parameters)
+    if direction.shape != (total,):
+        raise ValueError(f"direction has shape {tuple(direction.shape)}, need ({total},)")
+    offset = 0
+    for parameter in parameters:
+        size = parameter.numel()
+        piece = direction[offset : offset + size].view_as(parameter).to(parameter.dtype)
+        parameter.grad = piece.clone()
+        offset += size
+
+
+def _batched_vjp(
+    outputs: torch.Tensor,
+    cotangents: torch.Tensor,
+    parameters: list[torch.Tensor],
+    chunk_size: int | None,
+    retain_graph: bool,
+) -> torch.Tensor:
+    count = cotangents.shape[0]
+    chunk = count if chunk_size is None else max(1, int(chunk_size))
+    rows = []
+    for start in range(0, count, chunk):
+        block = cotangents[start : start + chunk]
+        keep = retain_graph or start + chunk < count
+        grads = torch.autograd.grad(
+            outputs,
+            parameters,
+            grad_outputs=block,
+            retain_graph=keep,
+            is_grads_batched=True,
+            allow_unused=True,
+            materialize_grads=True,
+        )
+        rows.append(torch.cat([grad.reshape(len(block), -1) for grad in grads], dim=1))
+    return torch.cat(rows)
+
+
+def _flatten(grads: Sequence[torch.Tensor | None], parameters: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(
+        [
+            (torch.zeros_like(parameter) if grad is None else grad).reshape(-1)
+            for grad, parameter in zip(grads, parameters, strict=True)
+        ]
+    )
+
+
+def _checked_parameters(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    parameters = list(parameters)
+    if not parameters:
+        raise ValueError("the parameter set is empty: pass the parameters to differentiate")
+    frozen = [index for index, parameter in enumerate(parameters) if not parameter.requires_grad]
+    if frozen:
+        raise ValueError(f"parameters at positions {frozen} do not require grad")
+    return parameters
+
+
+def _stacked_losses(losses: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    if isinstance(losses, torch.Tensor):
+        stacked = losses.reshape(-1) if losses.ndim <= 1 else None
+    else:
+        if len(losses) == 0:
+            raise ValueError("no losses given")
+        if any(loss.numel() != 1 for loss in losses):
+            raise ValueError("each loss must be a scalar; reduce per-sample losses first")
+        stacked = torch.stack([loss.reshape(()) for loss in losses])
+    if stacked is None:
+        raise ValueError(f"losses must be scalars or a 1-D tensor, got shape {tuple(losses.shape)}")
+    if stacked.numel() == 0:
+        raise ValueError("no losses given")
+    return stacked

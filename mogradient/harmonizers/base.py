@@ -1,0 +1,145 @@
+"""The harmonizer contract: per-objective gradients (or their Gram) in, raw-gradient weights out.
+
+Weights on the *raw* gradients are the primary output because the amortized path
+(one backward of a combined loss) needs weights, not a direction. The base class owns
+input validation and the handling of objectives whose gradient is zero or non-finite:
+those are left out of the method's computation, get weight zero, and are reported.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mogradient.gram import gram_matrix, make_psd
+
+
+@dataclass(frozen=True)
+class Weighting:
+    """What a method computed on the valid objectives' Gram matrix."""
+
+    weights: torch.Tensor
+    kkt_residual: float | None = None
+    fallback: str | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Harmonization:
+    """Weights on the raw gradients, the direction they give, and what happened."""
+
+    weights: torch.Tensor
+    direction: torch.Tensor | None
+    dropped: tuple[int, ...] = ()
+    fallback: str | None = None
+    kkt_residual: float | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Harmonizer(ABC):
+    """Base class: validate, drop unusable objectives, delegate to :meth:`weigh`."""
+
+    def __call__(
+        self, jacobian: torch.Tensor | None = None, *, gram: torch.Tensor | None = None
+    ) -> Harmonization:
+        """Harmonize a K x D gradient stack, or a K x K Gram matrix when only weights are needed."""
+        if (jacobian is None) == (gram is None):
+            raise ValueError("pass exactly one of `jacobian` (K x D) or `gram=` (K x K)")
+        if jacobian is not None:
+            jacobian = _validated_jacobian(jacobian)
+            gram = gram_matrix(jacobian)
+        else:
+            gram = _validated_gram(gram)
+        valid = _usable_objectives(gram)
+        num_objectives = gram.shape[0]
+        dropped = tuple(int(index) for index in torch.nonzero(~valid).flatten())
+        weights = torch.zeros(num_objectives, dtype=torch.float64)
+        if not valid.any():
+            weighting = Weighting(weights, fallback="no_usable_objective")
+        else:
+            objectives = torch.nonzero(valid).flatten()
+            sub_gram = make_psd(gram[objectives][:, objectives].cpu())
+            weighting = self.weigh(sub_gram, objectives)
+            if weighting.weights.shape != (len(objectives),):
+                raise RuntimeError(
+                    f"{type(self).__name__}.weigh returned weights of shape "
+                    f"{tuple(weighting.weights.shape)}, expected ({len(objectives)},)"
+                )
+            if not torch.isfinite(weighting.weights).all():
+                raise RuntimeError(f"{type(self).__name__} produced non-finite weights")
+            weights[objectives] = weighting.weights.to(torch.float64)
+            if weighting.fallback is None and len(objectives) == 1 and num_objectives > 1:
+                weighting = Weighting(weighting.weights, weighting.kkt_residual, "single_objective")
+        extra_dropped = tuple(weighting.extras.get("dropped", ()))
+        direction = None if jacobian is None else combine(jacobian, weights)
+        return Harmonization(
+            weights=weights,
+            direction=direction,
+            dropped=tuple(sorted(set(dropped) | set(extra_dropped))),
+            fallback=weighting.fallback,
+            kkt_residual=weighting.kkt_residual,
+            extras={key: value for key, value in weighting.extras.items() if key != "dropped"},
+        )
+
+    @abstractmethod
+    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+        """Weights for the usable objectives.
+
+        ``gram`` is their float64 PSD Gram matrix (K' x K', K' >= 1, every diagonal
+        entry positive and finite); ``objectives`` holds their indices in the caller's
+        numbering, for methods that keep per-objective state.
+        """
+
+    def __repr__(self) -> str:
+        settings = ", ".join(
+            f"{key}={value!r}" for key, value in vars(self).items() if not key.startswith("_")
+        )
+        return f"{type(self).__name__}({settings})"
+
+
+def combine(jacobian: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_k w_k g_k`` over the objectives with non-zero weight (so NaN rows never leak)."""
+    used = torch.nonzero(weights != 0).flatten().to(jacobian.device)
+    if len(used) == 0:
+        return torch.zeros(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
+    rows = jacobian.index_select(0, used)
+    return weights.to(device=jacobian.device)[used].to(jacobian.dtype) @ rows
+
+
+def _validated_jacobian(jacobian: torch.Tensor) -> torch.Tensor:
+    if not isinstance(jacobian, torch.Tensor):
+        raise TypeError(f"the gradient stack must be a torch.Tensor, got {type(jacobian).__name__}")
+    if jacobian.ndim != 2:
+        raise ValueError(
+            "the gradient stack must have shape (K objectives, D parameters); "
+            f"got shape {tuple(jacobian.shape)}. Flatten each gradient and stack them."
+        )
+    if jacobian.shape[0] == 0 or jacobian.shape[1] == 0:
+        raise ValueError(f"the gradient stack is empty: shape {tuple(jacobian.shape)}")
+    if not jacobian.is_floating_point():
+        raise TypeError(f"the gradient stack must be floating point, got {jacobian.dtype}")
+    return jacobian
+
+
+def _validated_gram(gram: torch.Tensor) -> torch.Tensor:
+    gram = torch.as_tensor(gram)
+    if gram.ndim != 2 or gram.shape[0] != gram.shape[1] or gram.shape[0] == 0:
+        raise ValueError(f"the Gram matrix must be square and non-empty, got {tuple(gram.shape)}")
+    return gram.to(torch.float64)
+
+
+def _usable_objectives(gram: torch.Tensor) -> torch.Tensor:
+    """Objectives whose gradient is finite and non-zero, read off the Gram's diagonal.
+
+    A NaN or Inf anywhere in a gradient makes its squared norm non-finite; the other
+    objectives' entries stay usable.
+    """
+    diagonal = torch.diagonal(gram).cpu()
+    finite = torch.isfinite(diagonal)
+    scale = diagonal[finite].max() if finite.any() else torch.tensor(0.0, dtype=torch.float64)
+    # A norm below 1e-12 of the largest one is zero for every practical purpose and
+    # would make normalization explode.
+    return finite & (diagonal > 0) & (diagonal > scale * 1e-24)

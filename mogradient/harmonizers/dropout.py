@@ -1,0 +1,66 @@
+"""Reward dropout: a random subset of objectives sits out each step."""
+
+from __future__ import annotations
+
+import torch
+
+from mogradient.harmonizers.base import Harmonizer, Weighting
+
+
+class RewardDropout(Harmonizer):
+    """Drop each listed objective with probability p per step, then apply ``inner`` to the rest.
+
+    ``droppable`` lists the objectives that may be dropped (default: all). p ramps
+    linearly from 0 over ``warmup_steps`` calls. If every usable objective would be
+    dropped, one of them, chosen uniformly, is kept so a step is never empty. The
+    inner harmonizer sees only the kept objectives (:class:`FixedWeights` rescales
+    them to its configured total).
+    """
+
+    def __init__(
+        self,
+        inner: Harmonizer,
+        probability: float,
+        droppable: list[int] | None = None,
+        warmup_steps: int = 0,
+        seed: int | None = None,
+    ) -> None:
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1], got {probability}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.inner = inner
+        self.probability = float(probability)
+        self.droppable = None if droppable is None else sorted(set(droppable))
+        self.warmup_steps = int(warmup_steps)
+        self.seed = seed
+        self.step = 0
+        self._generator = torch.Generator()
+        if seed is not None:
+            self._generator.manual_seed(seed)
+        else:
+            self._generator.seed()
+
+    def current_probability(self) -> float:
+        """The dropout probability in effect for the next call (after warm-up: ``probability``)."""
+        if self.warmup_steps == 0:
+            return self.probability
+        return self.probability * min(1.0, self.step / self.warmup_steps)
+
+    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+        probability = self.current_probability()
+        self.step += 1
+        droppable = torch.tensor(
+            [self.droppable is None or int(index) in self.droppable for index in objectives]
+        )
+        draws = torch.rand(len(objectives), generator=self._generator, dtype=torch.float64)
+        keep = ~(droppable & (draws < probability))
+        if not keep.any():
+            keep[int(torch.randint(len(objectives), (1,), generator=self._generator))] = True
+        kept = torch.nonzero(keep).flatten()
+        inner = self.inner.weigh(gram[kept][:, kept], objectives[kept])
+        weights = torch.zeros(len(objectives), dtype=torch.float64)
+        weights[kept] = inner.weights
+        dropped = [int(index) for index in objectives[~keep]]
+        extras = {**inner.extras, "dropped": dropped, "dropout_probability": probability}
+        return Weighting(weights, inner.kkt_residual, inner.fallback, extras)

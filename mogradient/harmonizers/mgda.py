@@ -1,0 +1,65 @@
+"""MGDA, by default with MARBLE's normalize-and-rescale."""
+
+from __future__ import annotations
+
+import torch
+
+from mogradient.harmonizers.base import Harmonizer, Weighting
+from mogradient.qp import solve_simplex_qp
+
+
+class MGDA(Harmonizer):
+    """Min-norm point of the gradients' convex hull (Désidéri 2012; normalize-rescale: MARBLE 2026).
+
+    With ``normalize=True`` (MARBLE) the QP runs on unit gradients u_k = g_k/||g_k||
+    and the direction is rescaled to the mean raw norm m: d = m * sum alpha_k u_k, i.e.
+    raw weights w_k = m * alpha_k / ||g_k||. With ``normalize=False`` it is plain MGDA
+    (w = alpha). ``preferences`` tilt the simplex solution (alpha_k proportional to
+    p_k * alpha_k*), ``alpha_floor`` mixes in a uniform share so every alpha_k >= floor;
+    both trade the non-conflict guarantee for control and are off by default.
+    """
+
+    def __init__(
+        self,
+        normalize: bool = True,
+        preferences: list[float] | torch.Tensor | None = None,
+        alpha_floor: float = 0.0,
+        backend: str = "builtin",
+    ) -> None:
+        if preferences is not None:
+            preferences = torch.as_tensor(preferences, dtype=torch.float64)
+            if preferences.ndim != 1 or (preferences < 0).any() or preferences.sum() <= 0:
+                raise ValueError("preferences must be 1-D, non-negative and not all zero")
+        self.normalize = normalize
+        self.preferences = preferences
+        self.alpha_floor = float(alpha_floor)
+        self.backend = backend
+
+    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+        norms = torch.sqrt(torch.diagonal(gram))
+        qp_gram = gram / torch.outer(norms, norms) if self.normalize else gram
+        solution = solve_simplex_qp(qp_gram.numpy(), backend=self.backend)
+        alpha = self._adjusted(torch.from_numpy(solution.weights), objectives)
+        weights = norms.mean() * alpha / norms if self.normalize else alpha
+        return Weighting(
+            weights, kkt_residual=solution.kkt_residual, extras={"alpha": alpha.tolist()}
+        )
+
+    def _adjusted(self, alpha: torch.Tensor, objectives: torch.Tensor) -> torch.Tensor:
+        if self.preferences is not None:
+            if int(objectives.max()) >= len(self.preferences):
+                raise ValueError(
+                    f"got {int(objectives.max()) + 1}+ objectives but only "
+                    f"{len(self.preferences)} preferences"
+                )
+            tilted = alpha * self.preferences[objectives]
+            alpha = tilted / tilted.sum() if tilted.sum() > 0 else alpha
+        if self.alpha_floor > 0:
+            count = len(alpha)
+            if self.alpha_floor * count > 1:
+                raise ValueError(
+                    f"alpha_floor={self.alpha_floor} is infeasible for {count} objectives "
+                    f"(floor x K must be <= 1)"
+                )
+            alpha = self.alpha_floor + (1 - self.alpha_floor * count) * alpha
+        return alpha

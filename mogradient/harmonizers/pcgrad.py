@@ -1,0 +1,43 @@
+"""PCGrad, computed on the Gram matrix so that it reports weights on the raw gradients."""
+
+from __future__ import annotations
+
+import torch
+
+from mogradient.harmonizers.base import Harmonizer, Weighting
+
+
+class PCGrad(Harmonizer):
+    """Project conflicting gradients onto each other's normal planes (Yu et al. 2020, PCGrad).
+
+    Every projected gradient is a linear combination of the raw ones, so we track its
+    coefficients and take inner products through the Gram matrix; the result is exact
+    and costs O(K^3) on a K x K matrix instead of passes over D parameters.
+    ``reduction="sum"`` follows the paper's Algorithm 1; ``"mean"`` divides by K.
+    """
+
+    def __init__(self, reduction: str = "sum", seed: int | None = None) -> None:
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        self.reduction = reduction
+        self.seed = seed
+        self._generator = torch.Generator()
+        if seed is not None:
+            self._generator.manual_seed(seed)
+        else:
+            self._generator.seed()
+
+    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+        count = len(objectives)
+        coefficients = torch.eye(count, dtype=torch.float64)
+        for task in range(count):
+            for other in torch.randperm(count, generator=self._generator).tolist():
+                if other == task:
+                    continue
+                dot = coefficients[task] @ gram[:, other]
+                if dot < 0:
+                    coefficients[task, other] -= dot / gram[other, other]
+        weights = coefficients.sum(dim=0)
+        if self.reduction == "mean":
+            weights = weights / count
+        return Weighting(weights)

@@ -1,0 +1,57 @@
+"""Gradient-independent weightings: fixed weights (weighted sum), the mean, random weights."""
+
+from __future__ import annotations
+
+import torch
+
+from mogradient.harmonizers.base import Harmonizer, Weighting
+
+
+class FixedWeights(Harmonizer):
+    """Weighted sum sum_k w_k g_k, the standard multi-reward baseline (linear scalarization).
+
+    When some objectives are unusable (zero / non-finite gradient, or dropped by
+    :class:`RewardDropout`) the remaining weights are rescaled to keep the configured
+    total, so the update's size does not shrink with the number of objectives present.
+    """
+
+    def __init__(self, weights: list[float] | torch.Tensor) -> None:
+        weights = torch.as_tensor(weights, dtype=torch.float64)
+        if weights.ndim != 1 or len(weights) == 0 or not torch.isfinite(weights).all():
+            raise ValueError("weights must be a non-empty 1-D list of finite numbers")
+        self.weights = weights
+
+    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+        if int(objectives.max()) >= len(self.weights):
+            raise ValueError(
+                f"FixedWeights has {len(self.weights)} weights but got objective index "
+                f"{int(objectives.max())}; give one weight per objective"
+            )
+        present = self.weights[objectives]
+        if len(objectives) < len(self.weights) and present.sum() != 0:
+            present = present * (self.weights.sum() / present.sum())
+        return Weighting(present.clone())
+
+
+class Mean(Harmonizer):
+    """Average of the usable gradients (equal weights 1/K)."""
+
+    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+        count = len(objectives)
+        return Weighting(torch.full((count,), 1.0 / count, dtype=torch.float64))
+
+
+class RandomWeights(Harmonizer):
+    """Random loss weighting, softmax of standard normal draws each step (Lin et al. 2022, RLW)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._generator = torch.Generator()
+        if seed is not None:
+            self._generator.manual_seed(seed)
+        else:
+            self._generator.seed()
+
+    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+        logits = torch.randn(len(objectives), generator=self._generator, dtype=torch.float64)
+        return Weighting(torch.softmax(logits, dim=0))

@@ -1,0 +1,89 @@
+"""The linearly-combinable-loss protocol: the reason amortized harmonization is exact.
+
+Many per-objective losses share their differentiable parts and differ only in
+non-differentiable per-sample coefficients. DiffusionNFT is the motivating case: sample
+i's loss for reward k is r_ki * P_i + (1 - r_ki) * N_i, where the branch errors P_i, N_i
+are shared by all rewards and r_ki = clip(1/2 + A_ki / (2 a_max), 0, 1). Writing
+
+    L_k = sum_{j, i} C[k, j, i] * T[j, i]
+
+with terms T (J x B, differentiable) and coefficients C (K x J x B, constants), any
+combination sum_k w_k L_k has coefficients sum_k w_k C[k] and therefore one backward
+pass gives exactly sum_k w_k grad L_k, for any real weights, with masks and clamps
+already folded into C. Terms outside the harmonization (a KL penalty) go in ``extra``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CombinableLoss:
+    """K losses given as constant coefficients on shared differentiable per-sample terms."""
+
+    terms: torch.Tensor
+    coefficients: torch.Tensor
+    extra: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.terms.ndim != 2:
+            raise ValueError(
+                f"terms must have shape (J terms, B samples), got {tuple(self.terms.shape)}"
+            )
+        if self.coefficients.ndim != 3 or self.coefficients.shape[1:] != self.terms.shape:
+            raise ValueError(
+                "coefficients must have shape (K objectives, J terms, B samples) matching "
+                f"terms {tuple(self.terms.shape)}; got {tuple(self.coefficients.shape)}"
+            )
+        if self.coefficients.requires_grad:
+            raise ValueError("coefficients must be constants: detach them")
+        if not torch.isfinite(self.coefficients).all():
+            raise ValueError(
+                "coefficients contain NaN or Inf; mask not-applicable samples with a zero "
+                "coefficient (see masked_mean_coefficients) instead of NaN"
+            )
+
+    @property
+    def num_objectives(self) -> int:
+        return self.coefficients.shape[0]
+
+    def objective_losses(self) -> torch.Tensor:
+        """The K per-objective losses (without ``extra``), still attached to the graph."""
+        coefficients = self.coefficients.to(self.terms.dtype)
+        return torch.einsum("kjb,jb->k", coefficients, self.terms)
+
+    def combined(self, weights: torch.Tensor | list[float]) -> torch.Tensor:
+        """``sum_k w_k L_k + extra`` as one scalar; its gradient is sum_k w_k grad L_k (+ extra)."""
+        weights = torch.as_tensor(weights, dtype=self.terms.dtype, device=self.terms.device)
+        if weights.shape != (self.num_objectives,):
+            raise ValueError(
+                f"need {self.num_objectives} weights, got shape {tuple(weights.shape)}"
+            )
+        if not torch.isfinite(weights).all():
+            raise ValueError("weights contain NaN or Inf")
+        combined = torch.einsum("k,kjb->jb", weights, self.coefficients.to(self.terms.dtype))
+        loss = (combined * self.terms).sum()
+        return loss if self.extra is None else loss + self.extra
+
+
+def masked_mean_coefficients(per_sample: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Coefficients that average over each objective's applicable samples only.
+
+    ``per_sample`` is K x J x B (e.g. r_ki and 1 - r_ki for the two branches), ``valid``
+    is K x B (False where the objective does not apply, e.g. a NaN reward). Returns
+    C[k, j, i] = valid_ki / n_valid_k * per_sample[k, j, i], with exact zeros (not NaN)
+    for invalid samples and for objectives without any valid sample.
+    """
+    if valid.shape != (per_sample.shape[0], per_sample.shape[2]):
+        raise ValueError(
+            f"valid must have shape (K, B) = {(per_sample.shape[0], per_sample.shape[2])}, "
+            f"got {tuple(valid.shape)}"
+        )
+    valid = valid.to(torch.bool)
+    counts = valid.sum(dim=1, keepdim=True).clamp_min(1).to(per_sample.dtype)
+    scale = valid.to(per_sample.dtype) / counts
+    safe = torch.where(valid[:, None, :], per_sample, torch.zeros_like(per_sample))
+    return (safe * scale[:, None, :]).detach()
