@@ -14,6 +14,9 @@ import torch
 from mogradient.gram import gram_matrix
 
 ANTI_ALIGNED_BELOW = 0.0
+# A direction shorter than this fraction of the largest gradient is round-off: the step
+# is Pareto-stationary and its cosines are undefined.
+STATIONARY_BELOW = 1e-10
 
 
 def conflict_diagnostics(
@@ -28,7 +31,8 @@ def conflict_diagnostics(
 
     Keys: ``cos/k``, ``cos_min``, ``cos_mean``, ``cos_var`` (population variance over the
     objectives with a usable gradient), ``anti_aligned`` (1 if some cos < 0),
-    ``norm/k``, ``weight/k``, ``direction_norm``, ``dropped``, ``fallback``.
+    ``norm/k``, ``weight/k``, ``direction_norm``, ``stationary`` (1 when the direction is
+    round-off of the gradients' scale, cosines then NaN), ``dropped``, ``fallback``.
     """
     if (jacobian is None) == (gram is None):
         raise ValueError("pass exactly one of jacobian= or gram=")
@@ -42,7 +46,9 @@ def conflict_diagnostics(
     used_weights = torch.where(usable, weights, torch.zeros_like(weights))
     direction_norm = math.sqrt(max(float(used_weights @ clean @ used_weights), 0.0))
     cosines = torch.full_like(norms, math.nan)
-    if direction_norm > 0:
+    largest = float(norms[usable].max()) if usable.any() else 0.0
+    stationary = direction_norm <= STATIONARY_BELOW * largest
+    if not stationary:
         cosines[usable] = (clean @ used_weights)[usable] / (norms[usable] * direction_norm)
     finite = cosines[torch.isfinite(cosines)]
     record: dict[str, float | int | str | list[int] | None] = {}
@@ -55,6 +61,7 @@ def conflict_diagnostics(
     record["cos_var"] = float(finite.var(unbiased=False)) if len(finite) else math.nan
     record["anti_aligned"] = int(bool(len(finite)) and float(finite.min()) < ANTI_ALIGNED_BELOW)
     record["direction_norm"] = direction_norm
+    record["stationary"] = int(stationary)
     record["dropped"] = sorted(set(dropped) | set(torch.nonzero(~usable).flatten().tolist()))
     record["fallback"] = fallback
     return record

@@ -220,7 +220,8 @@ def _solve_qpsolvers(gram: np.ndarray, solver: str) -> np.ndarray:
 
 
 _QPSOLVERS_TIGHT_OPTIONS: dict[str, dict[str, float]] = {
-    "clarabel": {"tol_gap_abs": 1e-14, "tol_gap_rel": 1e-14, "tol_feas": 1e-14},
+    "clarabel": {"tol_gap_abs": 1e-12, "tol_gap_rel": 1e-12, "tol_feas": 1e-12},
+    "daqp": {"primal_tol": 1e-14, "dual_tol": 1e-14},
     "osqp": {"eps_abs": 1e-12, "eps_rel": 1e-12, "max_iter": 200000, "polish": True},
     "proxqp": {"eps_abs": 1e-14, "eps_rel": 0.0},
 }

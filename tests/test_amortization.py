@@ -1,0 +1,169 @@
+"""Amortized single backward == sum_k w_k g_k from separate per-objective backward passes.
+
+The per-objective losses are written out independently (NaN-aware means of NFT-style
+two-branch losses with clamped coefficients), not through CombinableLoss, so the test
+checks the protocol against the quantity it claims to reproduce.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from mogradient import (
+    MGDA,
+    Amortizer,
+    CombinableLoss,
+    Harmonizer,
+    combinable_gradients,
+    masked_mean_coefficients,
+    objective_gradients,
+)
+from mogradient.harmonizers.base import Weighting
+
+A_MAX = 1.0
+
+
+def _network() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+
+
+def _branches(network: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = network(inputs)
+    return out[:, 0].pow(2), (out[:, 1] - 1).pow(2)
+
+
+def _rewards(count: int, batch: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(count)
+    advantages = 2.0 * torch.randn(count, batch, generator=generator, dtype=torch.float64)
+    advantages[0, : batch // 2] = float("nan")  # objective 0 applies to half the batch
+    advantages[-1, ::3] = float("nan")
+    return advantages
+
+
+def _direct_losses(positive, negative, advantages) -> list[torch.Tensor]:
+    losses = []
+    for row in advantages:
+        valid = ~torch.isnan(row)
+        ratio = torch.clamp(0.5 + row[valid] / (2 * A_MAX), 0.0, 1.0)
+        losses.append((ratio * positive[valid] + (1 - ratio) * negative[valid]).mean())
+    return losses
+
+
+def _combinable(positive, negative, advantages) -> CombinableLoss:
+    ratio = torch.clamp(0.5 + torch.nan_to_num(advantages) / (2 * A_MAX), 0.0, 1.0)
+    per_sample = torch.stack([ratio, 1 - ratio], dim=1)
+    coefficients = masked_mean_coefficients(per_sample, ~torch.isnan(advantages))
+    return CombinableLoss(torch.stack([positive, negative]), coefficients)
+
+
+@pytest.mark.parametrize("count", [3, 4, 5])
+def test_amortized_backward_equals_weighted_per_objective_gradients(count: int) -> None:
+    network, inputs = _network(), torch.randn(24, 6, dtype=torch.float64)
+    advantages = _rewards(count, 24)
+    ratio = 0.5 + advantages / (2 * A_MAX)
+    assert ((ratio > 1) | (ratio < 0)).any(), "some coefficients must be clamped"
+    parameters = list(network.parameters())
+    reference = objective_gradients(
+        _direct_losses(*_branches(network, inputs), advantages), parameters
+    )
+    weights = MGDA()(reference).weights
+    weights[1] = -0.3  # any real weights, not only simplex ones
+    loss = _combinable(*_branches(network, inputs), advantages)
+    amortized = torch.autograd.grad(loss.combined(weights), parameters)
+    amortized = torch.cat([grad.reshape(-1) for grad in amortized])
+    expected = weights @ reference
+    assert (amortized - expected).norm() <= 1e-6 * expected.norm()
+    # The protocol's own per-objective gradients agree with the direct ones too.
+    protocol = combinable_gradients(
+        _combinable(*_branches(network, inputs), advantages), parameters
+    )
+    assert (protocol - reference).norm() <= 1e-10 * reference.norm()
+
+
+def test_extra_term_is_added_once_with_its_own_weight() -> None:
+    network, inputs = _network(), torch.randn(8, 6, dtype=torch.float64)
+    positive, negative = _branches(network, inputs)
+    kl = 1e-2 * network(inputs).pow(2).sum()
+    advantages = _rewards(3, 8)
+    base = _combinable(positive, negative, advantages)
+    with_extra = CombinableLoss(base.terms, base.coefficients, extra=kl)
+    weights = torch.tensor([0.2, 0.5, 0.3])
+    torch.testing.assert_close(with_extra.combined(weights), base.combined(weights) + kl)
+
+
+def test_coefficient_validation() -> None:
+    terms = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        CombinableLoss(terms, torch.full((3, 2, 4), float("nan")))
+    with pytest.raises(ValueError, match="matching"):
+        CombinableLoss(terms, torch.zeros(3, 2, 5))
+    with pytest.raises(ValueError, match="need 3 weights"):
+        CombinableLoss(terms, torch.zeros(3, 2, 4)).combined([1.0])
+
+
+class _Failing(Harmonizer):
+    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+        raise RuntimeError("solver exploded")
+
+
+def test_schedule_warmup_then_every_period() -> None:
+    amortizer = Amortizer(MGDA(), period=3, warmup_steps=2, rho=0.5)
+    jacobian = torch.randn(3, 10, dtype=torch.float64)
+    pattern = []
+    for _ in range(9):
+        if amortizer.needs_full_solve():
+            pattern.append("S")
+            amortizer.full_step(jacobian)
+        else:
+            pattern.append("c")
+            amortizer.cached_step()
+    assert "".join(pattern) == "SSccSccSc"  # warm-up, then 1 solve + 2 cached
+
+
+def test_cached_steps_reuse_smoothed_weights() -> None:
+    amortizer = Amortizer(MGDA(), period=2, rho=0.7)
+    first_jacobian = torch.randn(3, 10, dtype=torch.float64)
+    second_jacobian = torch.randn(3, 10, dtype=torch.float64)
+    first = amortizer.full_step(first_jacobian)
+    torch.testing.assert_close(first.weights, MGDA()(first_jacobian).weights)
+    torch.testing.assert_close(amortizer.cached_step().weights, first.weights)
+    second = amortizer.full_step(second_jacobian)
+    fresh = MGDA()(second_jacobian).weights
+    blended = 0.7 * first.weights + 0.3 * fresh
+    torch.testing.assert_close(second.weights, blended * fresh.sum() / blended.sum())
+
+
+def test_fallbacks_are_explicit_and_keep_the_cache(caplog: pytest.LogCaptureFixture) -> None:
+    amortizer = Amortizer(MGDA(), period=1)
+    jacobian = torch.randn(3, 10, dtype=torch.float64)
+    cached = amortizer.full_step(jacobian).weights
+    with caplog.at_level(logging.WARNING, logger="mogradient.amortize"):
+        zero = amortizer.full_step(torch.zeros(3, 10, dtype=torch.float64))
+    assert zero.fallback == "no_usable_objective" and not zero.solved
+    torch.testing.assert_close(zero.weights, cached)
+    assert "no_usable_objective" in caplog.text
+    single = torch.zeros(3, 10, dtype=torch.float64)
+    single[1] = 1.0
+    one = amortizer.full_step(single)
+    assert one.fallback == "single_objective"
+    torch.testing.assert_close(amortizer.cached_step().weights, cached)
+    failing = Amortizer(_Failing(), period=1)
+    failed = failing.full_step(jacobian)
+    assert failed.fallback.startswith("solver_failure") and (failed.weights == 0).all()
+    with pytest.raises(RuntimeError, match="first step"):
+        Amortizer(MGDA()).cached_step()
+
+
+def test_state_round_trip() -> None:
+    amortizer = Amortizer(MGDA(), period=4)
+    amortizer.full_step(torch.randn(3, 5, dtype=torch.float64))
+    amortizer.cached_step()
+    restored = Amortizer(MGDA(), period=4)
+    restored.load_state_dict(amortizer.state_dict())
+    assert restored.needs_full_solve() == amortizer.needs_full_solve()
+    torch.testing.assert_close(restored.cached_step().weights, amortizer.cached_step().weights)

@@ -1,0 +1,48 @@
+"""Gram matrices of large float32 stacks come out symmetric PSD and accurate."""
+
+from __future__ import annotations
+
+import torch
+
+from mogradient.gram import gram_matrix, make_psd
+
+
+def _rank_deficient_stack(rows: int, rank: int, columns: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    mixing = torch.randn(rows, rank, generator=generator)
+    basis = torch.randn(rank, columns, generator=generator)
+    return mixing @ basis
+
+
+def test_large_rank_deficient_stack_is_psd_where_float32_is_not() -> None:
+    stack = _rank_deficient_stack(5, 2, 20_000_000)
+    naive = (stack @ stack.T).double()
+    naive = 0.5 * (naive + naive.T)
+    assert torch.linalg.eigvalsh(naive).min() < 0, "construction no longer exposes the problem"
+    gram = gram_matrix(stack)
+    eigenvalues = torch.linalg.eigvalsh(gram)
+    assert eigenvalues.min() >= -1e-13 * eigenvalues.max()
+    torch.testing.assert_close(gram, gram.T, rtol=0, atol=0)
+    torch.linalg.cholesky(gram + 1e-12 * gram.diagonal().max() * torch.eye(5, dtype=gram.dtype))
+
+
+def test_chunked_gram_matches_float64_reference() -> None:
+    stack = torch.randn(4, 10_001)
+    reference = stack.double() @ stack.double().T
+    torch.testing.assert_close(
+        gram_matrix(stack, chunk_columns=997), reference, rtol=1e-12, atol=1e-9
+    )
+
+
+def test_make_psd_clips_only_negative_eigenvalues() -> None:
+    indefinite = torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64)
+    assert torch.linalg.eigvalsh(make_psd(indefinite)).min() >= -1e-15
+    positive = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(make_psd(positive), positive)
+
+
+def test_bad_shapes_are_named() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="2-D gradient stack"):
+        gram_matrix(torch.zeros(3))
