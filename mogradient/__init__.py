@@ -12,36 +12,52 @@ from mogradient.gradients import (
 from mogradient.gram import gram_matrix
 from mogradient.harmonizers import (
     HARMONIZERS,
+    IMTLG,
     MGDA,
+    AlignedMTL,
+    CAGrad,
+    DualProj,
     FixedWeights,
+    GradVac,
     Harmonization,
     Harmonizer,
     Mean,
+    NashMTL,
     PCGrad,
     RandomWeights,
     RewardDropout,
+    UPGrad,
     make_harmonizer,
 )
 from mogradient.objectives import CombinableLoss, masked_mean_coefficients
 from mogradient.qp import SimplexQPSolution, solve_simplex_qp
+from mogradient.qp_cone import ConeQPSolution, solve_cone_qp
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HARMONIZERS",
+    "IMTLG",
     "MGDA",
+    "AlignedMTL",
     "AmortizedStep",
     "Amortizer",
+    "CAGrad",
     "CombinableLoss",
+    "ConeQPSolution",
     "ConflictAccumulator",
+    "DualProj",
     "FixedWeights",
+    "GradVac",
     "Harmonization",
     "Harmonizer",
     "Mean",
+    "NashMTL",
     "PCGrad",
     "RandomWeights",
     "RewardDropout",
     "SimplexQPSolution",
+    "UPGrad",
     "WeightEMA",
     "combinable_gradients",
     "conflict_diagnostics",
@@ -50,6 +66,7 @@ __all__ = [
     "masked_mean_coefficients",
     "objective_gradients",
     "select_parameters",
+    "solve_cone_qp",
     "solve_simplex_qp",
     "write_gradient",
 ]

@@ -34,7 +34,8 @@ class Amortizer:
     After each successful full solve the raw-gradient weights are folded into an EMA
     (``rho``; 0 disables smoothing) and the smoothed weights are applied on that step
     and on the cached steps that follow. A full solve that cannot produce a fresh
-    solution (no usable gradient, solver error) keeps the cache and says so; a solve
+    solution (no usable gradient, all-zero weights, solver error) keeps the cache and
+    says so; a solve
     with a single usable objective applies that objective alone for the step but does
     not overwrite the cache.
     """
@@ -67,8 +68,9 @@ class Amortizer:
             harmonization = self.harmonizer(jacobian, gram=gram)
         except (RuntimeError, ValueError) as error:
             return self._fallback_step(f"solver_failure: {error}")
-        if harmonization.fallback == "no_usable_objective":
-            return self._fallback_step("no_usable_objective", harmonization)
+        if harmonization.fallback == "no_usable_objective" or not harmonization.weights.any():
+            reason = harmonization.fallback or "zero_weights"
+            return self._fallback_step(reason, harmonization)
         self._steps_since_solve = 0
         self.step += 1
         if harmonization.fallback == "single_objective":

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from mogradient.harmonizers.aligned_mtl import AlignedMTL
 from mogradient.harmonizers.base import Harmonization, Harmonizer, Weighting, combine
+from mogradient.harmonizers.cagrad import CAGrad
 from mogradient.harmonizers.dropout import RewardDropout
+from mogradient.harmonizers.dualproj import DualProj
+from mogradient.harmonizers.gradvac import GradVac
+from mogradient.harmonizers.imtlg import IMTLG
 from mogradient.harmonizers.mgda import MGDA
+from mogradient.harmonizers.nash_mtl import NashMTL
 from mogradient.harmonizers.pcgrad import PCGrad
+from mogradient.harmonizers.upgrad import UPGrad
 from mogradient.harmonizers.weighted import FixedWeights, Mean, RandomWeights
 
 HARMONIZERS: dict[str, type[Harmonizer]] = {
@@ -16,6 +23,13 @@ HARMONIZERS: dict[str, type[Harmonizer]] = {
     "fixed": FixedWeights,
     "mean": Mean,
     "rlw": RandomWeights,
+    "cagrad": CAGrad,
+    "nashmtl": NashMTL,
+    "upgrad": UPGrad,
+    "dualproj": DualProj,
+    "imtlg": IMTLG,
+    "alignedmtl": AlignedMTL,
+    "gradvac": GradVac,
 }
 
 
@@ -31,14 +45,21 @@ def make_harmonizer(name: str, **options: Any) -> Harmonizer:
 
 __all__ = [
     "HARMONIZERS",
+    "IMTLG",
     "MGDA",
+    "AlignedMTL",
+    "CAGrad",
+    "DualProj",
     "FixedWeights",
+    "GradVac",
     "Harmonization",
     "Harmonizer",
     "Mean",
+    "NashMTL",
     "PCGrad",
     "RandomWeights",
     "RewardDropout",
+    "UPGrad",
     "Weighting",
     "combine",
     "make_harmonizer",

@@ -101,12 +101,19 @@ class Harmonizer(ABC):
 
 
 def combine(jacobian: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_k w_k g_k`` over the objectives with non-zero weight (so NaN rows never leak)."""
-    used = torch.nonzero(weights != 0).flatten().to(jacobian.device)
-    if len(used) == 0:
+    """``sum_k w_k g_k``, reading the stack once; rows with zero weight never leak NaN/Inf."""
+    weights = weights.to(device=jacobian.device)
+    used = weights != 0
+    if not used.any():
         return torch.zeros(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
-    rows = jacobian.index_select(0, used)
-    return weights.to(device=jacobian.device)[used].to(jacobian.dtype) @ rows
+    if used.all():
+        return weights.to(jacobian.dtype) @ jacobian
+    # Unused rows may hold NaN (0 * NaN = NaN): accumulate the used rows one by one
+    # rather than copying them out of a possibly huge stack.
+    direction = torch.zeros(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
+    for index in torch.nonzero(used).flatten().tolist():
+        direction.add_(jacobian[index], alpha=float(weights[index]))
+    return direction
 
 
 def _validated_jacobian(jacobian: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""Nash-MTL: the Nash bargaining solution, G alpha = 1 / alpha, solved exactly."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mogradient.harmonizers.base import Harmonizer, Weighting
+
+# Newton's answer is accepted only if it solves G alpha = 1/alpha to this relative accuracy;
+# round-off on a well-posed problem is many orders of magnitude below it.
+_ACCEPT = 1e-8
+
+
+class NashMTL(Harmonizer):
+    """Bargaining-game weights (Navon et al. 2022, Multi-Task Learning as a Bargaining Game).
+
+    The Nash bargaining direction d = J^T alpha has alpha > 0 with g_k . d = 1 / alpha_k,
+    i.e. G alpha = 1 / alpha. That is the stationarity condition of the strictly convex,
+    self-concordant phi(a) = a^T G a / 2 - sum_k log a_k, so damped Newton (Nesterov's
+    step 1 / (1 + decrement), then full steps) in float64 solves it to round-off, unlike
+    the paper's few rounds of a linearized cvxpy problem. We solve on G / mean(diag G)
+    and rescale: alpha scales as 1 / sqrt(scale).
+
+    If some non-negative combination of the gradients is zero (a Pareto-stationary point)
+    phi is unbounded below and no solution exists: no direction improves every objective,
+    so the weights are zero (``fallback="pareto_stationary"``). A ridged solve would
+    return huge weights that cancel, which an amortized cache must never keep.
+    ``kkt_residual`` is ||G alpha - 1/alpha|| / ||1/alpha||.
+
+    At the solution ||d||^2 = alpha^T G alpha = K whatever the gradients' scale. As in the
+    authors' code (and TorchJD), ``max_norm > 0`` rescales alpha so that ||d|| <= max_norm
+    (default 1.0); ``max_norm=0`` returns the bargaining solution itself.
+    """
+
+    def __init__(
+        self,
+        max_norm: float = 1.0,
+        tolerance: float = 1e-13,
+        max_iterations: int = 200,
+    ) -> None:
+        if not (math.isfinite(max_norm) and max_norm >= 0):
+            raise ValueError(f"max_norm must be finite and >= 0 (0 disables), got {max_norm}")
+        if not (math.isfinite(tolerance) and tolerance > 0):
+            raise ValueError(f"tolerance must be finite and positive, got {tolerance}")
+        if int(max_iterations) != max_iterations or max_iterations < 1:
+            raise ValueError(f"max_iterations must be a positive integer, got {max_iterations}")
+        self.max_norm = float(max_norm)
+        self.tolerance = float(tolerance)
+        self.max_iterations = int(max_iterations)
+
+    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+        scale = torch.diagonal(gram).mean()
+        normalized = gram / scale
+        alpha, iterations = self._newton(normalized)
+        if alpha is None:
+            zeros = torch.zeros(len(gram), dtype=torch.float64)
+            return Weighting(
+                zeros, fallback="pareto_stationary", extras={"newton_iterations": iterations}
+            )
+        residual = _relative_residual(normalized, alpha)
+        alpha = alpha / scale.sqrt()
+        direction_norm = float(torch.sqrt((alpha @ gram @ alpha).clamp_min(0)))
+        if self.max_norm > 0 and direction_norm > self.max_norm:
+            alpha = alpha * (self.max_norm / direction_norm)
+        return Weighting(
+            alpha,
+            kkt_residual=residual,
+            extras={"newton_iterations": iterations, "bargaining_norm": direction_norm},
+        )
+
+    def _newton(self, gram: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """Minimize a^T G a / 2 - sum log a; None when it has no minimizer.
+
+        For a self-concordant function a Newton decrement below 1 proves that a minimizer
+        exists (Nesterov 2004, Thm 4.1.11), so an unbounded phi keeps it >= 1. Below 1/4
+        we take full steps (quadratic convergence); when the decrement stops shrinking
+        there, round-off has been reached.
+        """
+        # Exact for diagonal G, and a scale-appropriate start otherwise.
+        alpha = 1.0 / torch.sqrt(torch.diagonal(gram))
+        previous = math.inf
+        for iteration in range(1, self.max_iterations + 1):
+            gradient = gram @ alpha - 1.0 / alpha
+            hessian = gram + torch.diag(1.0 / alpha**2)
+            try:
+                step = torch.linalg.solve(hessian, gradient)
+            except RuntimeError:  # torch.linalg.LinAlgError: alpha ran off to infinity
+                return None, iteration
+            decrement = float(torch.sqrt((gradient @ step).clamp_min(0)))
+            if decrement <= self.tolerance or (previous < 0.25 and decrement > 0.5 * previous):
+                return (alpha if _solves(gram, alpha) else None), iteration
+            # The damped step 1 / (1 + decrement) keeps alpha > 0 (self-concordance).
+            alpha = alpha - (step if decrement < 0.25 else step / (1.0 + decrement))
+            if not torch.isfinite(alpha).all() or (alpha <= 0).any():
+                return None, iteration
+            previous = decrement
+        converged = previous < 1 and _solves(gram, alpha)
+        return (alpha if converged else None), self.max_iterations
+
+
+def _solves(gram: torch.Tensor, alpha: torch.Tensor) -> bool:
+    """Whether alpha solves G alpha = 1/alpha to the acceptance accuracy."""
+    return _relative_residual(gram, alpha) <= _ACCEPT
+
+
+def _relative_residual(gram: torch.Tensor, alpha: torch.Tensor) -> float:
+    """||G alpha - 1/alpha|| / ||1/alpha||."""
+    inverse = 1.0 / alpha
+    return float(torch.linalg.norm(gram @ alpha - inverse) / torch.linalg.norm(inverse))
