@@ -1,7 +1,10 @@
 """Conflict diagnostics: how the applied direction aligns with each objective's gradient.
 
-Everything is computed from the K x K Gram matrix and the weights, so it costs nothing
-extra once a full solve has built the Gram: cos(d, g_k) = (G w)_k / (||g_k|| ||d||).
+With the gradient stack at hand, cosines are computed from the explicit direction d
+(one extra pass: J @ d), which is accurate to the stack's precision. From a Gram matrix
+alone they come out of w^T G w, which loses half the digits to cancellation when d is
+short. Both the floor below which a step counts as stationary (cosines NaN) and the
+tolerance on anti-alignment derive from the precision the gradients had.
 """
 
 from __future__ import annotations
@@ -11,12 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mogradient.gram import gram_matrix
+from mogradient.harmonizers.base import combine
 
-ANTI_ALIGNED_BELOW = 0.0
-# A direction shorter than this fraction of the largest gradient is round-off: the step
-# is Pareto-stationary and its cosines are undefined.
-STATIONARY_BELOW = 1e-10
+# Cosines are rounded quantities: an objective is anti-aligned only when its cosine is
+# below minus the step's round-off bound, and never for cos >= -1e-6.
+MIN_COS_TOLERANCE = 1e-6
 
 
 def conflict_diagnostics(
@@ -24,20 +26,65 @@ def conflict_diagnostics(
     *,
     jacobian: torch.Tensor | None = None,
     gram: torch.Tensor | None = None,
+    direction: torch.Tensor | None = None,
+    source_dtype: torch.dtype = torch.float32,
     dropped: tuple[int, ...] = (),
     fallback: str | None = None,
 ) -> dict[str, float | int | str | list[int] | None]:
     """One step's diagnostics as a flat dict ready for a logger.
 
+    Pass ``jacobian`` (K x D; ``direction`` reuses an already combined d) for exact
+    cosines, or ``gram`` alone (``source_dtype``: precision of the gradients it came from).
     Keys: ``cos/k``, ``cos_min``, ``cos_mean``, ``cos_var`` (population variance over the
-    objectives with a usable gradient), ``anti_aligned`` (1 if some cos < 0),
-    ``norm/k``, ``weight/k``, ``direction_norm``, ``stationary`` (1 when the direction is
-    round-off of the gradients' scale, cosines then NaN), ``dropped``, ``fallback``.
+    objectives with a usable gradient), ``cos_tolerance`` (first-order round-off bound of
+    the cosines, eps * sum_k |w_k| ||g_k|| / ||d||, at least 1e-6), ``anti_aligned`` (1 if
+    some cos < -cos_tolerance),
+    ``norm/k``, ``weight/k``, ``direction_norm``, ``stationary`` (1 when d is below the
+    round-off floor, cosines then NaN), ``dropped``, ``fallback``.
     """
     if (jacobian is None) == (gram is None):
         raise ValueError("pass exactly one of jacobian= or gram=")
-    gram = gram_matrix(jacobian) if jacobian is not None else gram.to(torch.float64).cpu()
     weights = torch.as_tensor(weights, dtype=torch.float64).cpu()
+    if jacobian is not None:
+        norms, dots, direction_norm, source_dtype = _from_jacobian(jacobian, weights, direction)
+    else:
+        norms, dots, direction_norm = _from_gram(gram.to(torch.float64).cpu(), weights)
+    usable = torch.isfinite(norms) & (norms > 0)
+    scale = float((weights.abs() * torch.where(usable, norms, torch.zeros_like(norms))).sum())
+    # Below sqrt(eps) of the scale, weights solved to ~eps accuracy (and w^T G w) no
+    # longer determine the direction's angle: the step is stationary.
+    stationary = direction_norm <= math.sqrt(torch.finfo(source_dtype).eps) * scale
+    cosines = torch.full_like(norms, math.nan)
+    tolerance = math.nan
+    if not stationary:
+        cosines[usable] = (dots[usable] / (norms[usable] * direction_norm)).clamp(-1.0, 1.0)
+        relative = torch.finfo(source_dtype).eps * scale / direction_norm
+        if jacobian is None:  # ||d|| itself comes from the cancelling w^T G w
+            relative += relative * scale / direction_norm
+        tolerance = max(MIN_COS_TOLERANCE, relative)
+    record = _record(weights, norms, usable, cosines, direction_norm, stationary, tolerance)
+    record["dropped"] = sorted(set(dropped) | set(record["dropped"]))
+    record["fallback"] = fallback
+    return record
+
+
+def _from_jacobian(
+    jacobian: torch.Tensor, weights: torch.Tensor, direction: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, float, torch.dtype]:
+    if weights.shape != (jacobian.shape[0],):
+        raise ValueError(
+            f"{jacobian.shape[0]} objectives but weights of shape {tuple(weights.shape)}"
+        )
+    norms = torch.linalg.vector_norm(jacobian, dim=1).to(torch.float64).cpu()
+    direction = combine(jacobian, weights) if direction is None else direction
+    dots = (jacobian @ direction.to(jacobian.dtype)).to(torch.float64).cpu()
+    direction_norm = float(torch.linalg.vector_norm(direction.to(torch.float64)))
+    return norms, dots, direction_norm, jacobian.dtype
+
+
+def _from_gram(
+    gram: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     if weights.shape != (gram.shape[0],):
         raise ValueError(f"{gram.shape[0]} objectives but weights of shape {tuple(weights.shape)}")
     norms = torch.sqrt(torch.diagonal(gram).clamp_min(0))
@@ -45,11 +92,10 @@ def conflict_diagnostics(
     clean = torch.where(usable[:, None] & usable[None, :], gram, torch.zeros_like(gram))
     used_weights = torch.where(usable, weights, torch.zeros_like(weights))
     direction_norm = math.sqrt(max(float(used_weights @ clean @ used_weights), 0.0))
-    cosines = torch.full_like(norms, math.nan)
-    largest = float(norms[usable].max()) if usable.any() else 0.0
-    stationary = direction_norm <= STATIONARY_BELOW * largest
-    if not stationary:
-        cosines[usable] = (clean @ used_weights)[usable] / (norms[usable] * direction_norm)
+    return norms, clean @ used_weights, direction_norm
+
+
+def _record(weights, norms, usable, cosines, direction_norm, stationary, tolerance):
     finite = cosines[torch.isfinite(cosines)]
     record: dict[str, float | int | str | list[int] | None] = {}
     for index in range(len(weights)):
@@ -59,11 +105,11 @@ def conflict_diagnostics(
     record["cos_min"] = float(finite.min()) if len(finite) else math.nan
     record["cos_mean"] = float(finite.mean()) if len(finite) else math.nan
     record["cos_var"] = float(finite.var(unbiased=False)) if len(finite) else math.nan
-    record["anti_aligned"] = int(bool(len(finite)) and float(finite.min()) < ANTI_ALIGNED_BELOW)
+    record["cos_tolerance"] = tolerance
+    record["anti_aligned"] = int(bool(len(finite)) and float(finite.min()) < -tolerance)
     record["direction_norm"] = direction_norm
     record["stationary"] = int(stationary)
-    record["dropped"] = sorted(set(dropped) | set(torch.nonzero(~usable).flatten().tolist()))
-    record["fallback"] = fallback
+    record["dropped"] = torch.nonzero(~usable).flatten().tolist()
     return record
 
 
@@ -77,16 +123,17 @@ class ConflictAccumulator:
         self.history.append(record)
 
     def summary(self) -> dict[str, float | int]:
-        """Fraction of steps with a negative worst cosine, mean worst cosine, mean variance."""
-        minima = [r["cos_min"] for r in self.history if math.isfinite(r["cos_min"])]
+        """Fraction of steps with an anti-aligned objective, mean worst cosine, mean variance."""
+        measured = [r for r in self.history if math.isfinite(r["cos_min"])]
+        minima = [r["cos_min"] for r in measured]
         variances = [r["cos_var"] for r in self.history if math.isfinite(r["cos_var"])]
-        fallbacks = sum(1 for r in self.history if r.get("fallback"))
         return {
             "steps": len(self.history),
-            "negative_min_cos_fraction": _mean([float(m < 0) for m in minima]),
+            "negative_min_cos_fraction": _mean([float(r["anti_aligned"]) for r in measured]),
             "mean_min_cos": _mean(minima),
             "mean_cos_var": _mean(variances),
-            "fallback_steps": fallbacks,
+            "stationary_steps": sum(int(r.get("stationary", 0)) for r in self.history),
+            "fallback_steps": sum(1 for r in self.history if r.get("fallback")),
         }
 
 

@@ -9,6 +9,7 @@ a second backward.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -62,11 +63,4 @@ def apply_harmonized(
         weights = weights.cpu()
     direction = combine(jacobian, weights)
     write_gradient(parameters, direction)
-    return Harmonization(
-        weights,
-        direction,
-        harmonization.dropped,
-        harmonization.fallback,
-        harmonization.kkt_residual,
-        harmonization.extras,
-    )
+    return dataclasses.replace(harmonization, weights=weights, direction=direction)

@@ -20,6 +20,17 @@ def gram_matrix(
     jacobian: torch.Tensor, chunk_columns: int = DEFAULT_CHUNK_COLUMNS, upcast: bool = False
 ) -> torch.Tensor:
     """Return the K x K float64 Gram matrix ``J @ J.T`` of a K x D stack, symmetric PSD."""
+    return make_psd(accumulate_gram(jacobian, chunk_columns, upcast))
+
+
+def accumulate_gram(
+    jacobian: torch.Tensor, chunk_columns: int = DEFAULT_CHUNK_COLUMNS, upcast: bool = False
+) -> torch.Tensor:
+    """``J @ J.T`` accumulated over column chunks in float64, symmetrized, not yet made PSD.
+
+    Rows with NaN or Inf only spoil their own row and column, so callers can drop them
+    first and make the rest PSD.
+    """
     if jacobian.ndim != 2:
         raise ValueError(
             f"expected a 2-D gradient stack of shape (K objectives, D parameters), "
@@ -34,7 +45,7 @@ def gram_matrix(
         if upcast:
             chunk = chunk.to(torch.float64)
         gram += (chunk @ chunk.T).to(torch.float64)
-    return make_psd(gram)
+    return 0.5 * (gram + gram.T)
 
 
 def make_psd(gram: torch.Tensor) -> torch.Tensor:

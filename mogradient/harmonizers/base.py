@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mogradient.gram import gram_matrix, make_psd
+from mogradient.gram import accumulate_gram, make_psd
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Harmonization:
 
     weights: torch.Tensor
     direction: torch.Tensor | None
+    gram: torch.Tensor | None = None
     dropped: tuple[int, ...] = ()
     fallback: str | None = None
     kkt_residual: float | None = None
@@ -50,7 +51,7 @@ class Harmonizer(ABC):
             raise ValueError("pass exactly one of `jacobian` (K x D) or `gram=` (K x K)")
         if jacobian is not None:
             jacobian = _validated_jacobian(jacobian)
-            gram = gram_matrix(jacobian)
+            gram = accumulate_gram(jacobian)
         else:
             gram = _validated_gram(gram)
         valid = _usable_objectives(gram)
@@ -78,6 +79,7 @@ class Harmonizer(ABC):
         return Harmonization(
             weights=weights,
             direction=direction,
+            gram=gram,
             dropped=tuple(sorted(set(dropped) | set(extra_dropped))),
             fallback=weighting.fallback,
             kkt_residual=weighting.kkt_residual,

@@ -13,15 +13,15 @@ class FixedWeights(Harmonizer):
     When some objectives are unusable (zero / non-finite gradient, or dropped by
     :class:`RewardDropout`) the remaining weights are rescaled to keep the configured
     total, so the update's size does not shrink with the number of objectives present.
+    ``weights=None`` is the plain sum: weight 1 for every objective present.
     """
 
-    def __init__(self, weights: list[float] | torch.Tensor) -> None:
-        weights = torch.as_tensor(weights, dtype=torch.float64)
-        if weights.ndim != 1 or len(weights) == 0 or not torch.isfinite(weights).all():
-            raise ValueError("weights must be a non-empty 1-D list of finite numbers")
-        self.weights = weights
+    def __init__(self, weights: list[float] | torch.Tensor | None = None) -> None:
+        self.weights = None if weights is None else _checked_weights(weights)
 
     def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+        if self.weights is None:
+            return Weighting(torch.ones(len(objectives), dtype=torch.float64))
         if int(objectives.max()) >= len(self.weights):
             raise ValueError(
                 f"FixedWeights has {len(self.weights)} weights but got objective index "
@@ -31,6 +31,13 @@ class FixedWeights(Harmonizer):
         if len(objectives) < len(self.weights) and present.sum() != 0:
             present = present * (self.weights.sum() / present.sum())
         return Weighting(present.clone())
+
+
+def _checked_weights(weights: list[float] | torch.Tensor) -> torch.Tensor:
+    weights = torch.as_tensor(weights, dtype=torch.float64)
+    if weights.ndim != 1 or len(weights) == 0 or not torch.isfinite(weights).all():
+        raise ValueError("weights must be a non-empty 1-D list of finite numbers")
+    return weights
 
 
 class Mean(Harmonizer):

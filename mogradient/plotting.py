@@ -1,0 +1,300 @@
+"""PNG plots of harmonizer behaviour: conflict, weights, losses and toy trajectories.
+
+matplotlib is optional (``pip install 'mogradient[plot]'``) and imported only when a
+function runs. Figures are drawn on an explicit Agg canvas, so plotting never changes
+the caller's pyplot backend or global state. Every function writes one PNG and returns
+its path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mogradient.toys import ToyProblem, Trajectory
+
+_PANEL_COLUMNS = 4
+_PANEL_SIZE = (3.6, 3.0)
+_TITLE_INCHES = 0.85
+_LEGEND_INCHES = 0.35
+
+
+def plot_cosine_distributions(
+    cos_min: Mapping[str, Sequence[float] | torch.Tensor],
+    path: str | Path,
+    title: str = "Worst cosine between the step and an objective's gradient",
+) -> Path:
+    """Violins of the per-step worst cosine, one per method; below zero some objective got worse.
+
+    Each tick label carries the fraction of steps with a negative worst cosine. NaN
+    entries (Pareto-stationary steps, where cosines are undefined) are left out.
+    """
+    width = max(6.0, 0.9 * len(cos_min) + 2)
+    figure = _new_figure(width, 4.4)
+    figure.subplots_adjust(left=0.75 / width, right=1 - 0.2 / width, top=0.9, bottom=0.22)
+    axes = figure.add_subplot()
+    labels = []
+    for position, (method, values) in enumerate(cos_min.items(), start=1):
+        finite = _finite(values)
+        labels.append(f"{method}\n{_negative_share(finite)}")
+        _draw_distribution(axes, finite, position)
+    axes.axhline(0.0, color="firebrick", linewidth=1, linestyle="--", label="no conflict above")
+    axes.set_xticks(range(1, len(labels) + 1), labels, fontsize=8)
+    axes.set_ylim(-1.05, 1.05)
+    axes.set_ylabel("cos_min per step")
+    axes.set_xlabel("method (share of steps with cos_min < 0)")
+    axes.set_title(title)
+    axes.legend(loc="lower left", fontsize=8)
+    return _save(figure, path)
+
+
+def plot_weight_trajectories(
+    weights: Mapping[str, Sequence[torch.Tensor]],
+    path: str | Path,
+    title: str = "Weight shares over steps",
+    objective_names: Sequence[str] | None = None,
+) -> Path:
+    """Each method's weight shares w_k / sum_j |w_j| per step, one line per objective and run.
+
+    Shares rather than raw weights: Adam ignores the overall scale of the step, so the
+    split between objectives is what distinguishes the methods.
+    """
+    figure, panels = _panel_grid(len(weights))
+    for axes, (method, runs) in zip(panels, weights.items(), strict=False):
+        for run in runs:
+            run = torch.as_tensor(run, dtype=torch.float64)
+            shares = run / run.abs().sum(dim=1, keepdim=True).clamp_min(1e-300)
+            _draw_objective_lines(axes, shares, objective_names)
+        axes.set_title(method)
+        axes.set_xlabel("step")
+        axes.set_ylabel("w_k / sum |w|")
+    _finish_panels(figure, panels, len(weights), title)
+    return _save(figure, path)
+
+
+def plot_loss_curves(
+    losses: Mapping[str, Sequence[torch.Tensor]],
+    path: str | Path,
+    title: str = "Per-objective losses over steps",
+    objective_names: Sequence[str] | None = None,
+) -> Path:
+    """Each method's per-objective losses per step, one line per objective and run."""
+    figure, panels = _panel_grid(len(losses))
+    for axes, (method, runs) in zip(panels, losses.items(), strict=False):
+        for run in runs:
+            _draw_objective_lines(axes, torch.as_tensor(run, dtype=torch.float64), objective_names)
+        axes.set_title(method)
+        axes.set_xlabel("step")
+        axes.set_ylabel("loss")
+    _finish_panels(figure, panels, len(losses), title)
+    return _save(figure, path)
+
+
+def plot_objective_space(
+    problem: ToyProblem,
+    trajectories: Mapping[str, Sequence[Trajectory]],
+    path: str | Path,
+    title: str | None = None,
+) -> Path:
+    """Runs of a two-objective problem in the (L1, L2) plane, with the true Pareto front."""
+    if problem.num_objectives != 2:
+        raise ValueError(
+            f"objective-space plots need 2 objectives, {problem.name} has {problem.num_objectives}"
+        )
+    front = problem.losses(problem.front) if problem.front is not None else None
+    figure, panels = _panel_grid(len(trajectories))
+    for axes, (method, runs) in zip(panels, trajectories.items(), strict=False):
+        if front is not None:
+            _draw_front(axes, front)
+        for index, run in enumerate(runs):
+            _draw_path(axes, run.losses, _start_color(index), run.positions[0])
+        axes.set_title(method)
+        axes.set_xlabel("L1")
+        axes.set_ylabel("L2")
+    _finish_panels(figure, panels, len(trajectories), title or f"{problem.name}: objective space")
+    return _save(figure, path)
+
+
+def plot_parameter_space(
+    problem: ToyProblem,
+    trajectories: Mapping[str, Sequence[Trajectory]],
+    path: str | Path,
+    title: str | None = None,
+    contour: bool = True,
+) -> Path:
+    """Runs of a 2-D problem in parameter space over contours of the mean loss, with the front."""
+    if problem.dimension != 2:
+        raise ValueError(
+            f"parameter-space plots need 2 parameters, {problem.name} has {problem.dimension}"
+        )
+    bounds = _bounds(problem, trajectories)
+    field = _mean_loss_field(problem, bounds) if contour else None
+    figure, panels = _panel_grid(len(trajectories))
+    for axes, (method, runs) in zip(panels, trajectories.items(), strict=False):
+        if field is not None:
+            axes.contourf(*field, levels=20, cmap="Greys", alpha=0.45, zorder=1)
+        if problem.front is not None:
+            _draw_front(axes, problem.front)
+        for index, run in enumerate(runs):
+            _draw_path(axes, run.positions, _start_color(index), run.positions[0])
+        axes.set_xlim(bounds[0], bounds[1])
+        axes.set_ylim(bounds[2], bounds[3])
+        axes.set_title(method)
+        axes.set_xlabel("x1")
+        axes.set_ylabel("x2")
+    _finish_panels(figure, panels, len(trajectories), title or f"{problem.name}: parameter space")
+    return _save(figure, path)
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise ImportError("plotting needs matplotlib: pip install 'mogradient[plot]'") from error
+
+
+def _new_figure(width: float, height: float) -> Any:
+    """A figure on an Agg canvas (no pyplot): margins are set by hand, since a layout engine
+    re-solves the whole layout at save time and doubles the cost of a many-panel figure."""
+    _require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height))
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _panel_grid(count: int) -> tuple[Any, list[Any]]:
+    """A figure with one panel per method, ``_PANEL_COLUMNS`` to a row, room for a legend."""
+    if count == 0:
+        raise ValueError("nothing to plot: no methods given")
+    columns = min(count, _PANEL_COLUMNS)
+    rows = math.ceil(count / columns)
+    width = _PANEL_SIZE[0] * max(columns, 2) + 0.8  # room for a one-row legend
+    height = _PANEL_SIZE[1] * rows + _TITLE_INCHES + _LEGEND_INCHES
+    figure = _new_figure(width, height)
+    figure.subplots_adjust(
+        left=0.65 / width,
+        right=1 - 0.15 / width,
+        top=1 - _TITLE_INCHES / height,
+        bottom=(_LEGEND_INCHES + 0.45) / height,
+        wspace=0.38,
+        hspace=0.6,
+    )
+    grid = figure.subplots(rows, columns, squeeze=False)
+    return figure, list(grid.flat)
+
+
+def _finish_panels(figure: Any, panels: list[Any], used: int, title: str) -> None:
+    """Hide spare panels, add one legend for the whole figure and the title."""
+    for spare in panels[used:]:
+        spare.set_visible(False)
+    handles, labels = panels[0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    if unique:
+        figure.legend(
+            unique.values(),
+            unique.keys(),
+            loc="lower center",
+            ncols=min(len(unique), 6),
+            fontsize=8,
+        )
+    figure.suptitle(title)
+
+
+def _draw_distribution(axes: Any, values: torch.Tensor, position: int) -> None:
+    """A violin, or a single tick when the values have no spread (the KDE would be singular)."""
+    if len(values) == 0:
+        axes.text(position, 0, "no finite\ncosine", ha="center", va="center", fontsize=7)
+    elif float(values.max() - values.min()) < 1e-9:
+        axes.plot([position - 0.3, position + 0.3], [float(values[0])] * 2, color="tab:blue")
+    else:
+        axes.violinplot(values.numpy(), positions=[position], showmedians=True, widths=0.8)
+
+
+def _draw_objective_lines(
+    axes: Any, values: torch.Tensor, objective_names: Sequence[str] | None
+) -> None:
+    steps = torch.arange(len(values))
+    for objective in range(values.shape[1]):
+        name = objective_names[objective] if objective_names else f"objective {objective + 1}"
+        axes.plot(
+            steps, values[:, objective], color=f"C{objective}", linewidth=1, alpha=0.7, label=name
+        )
+
+
+def _draw_front(axes: Any, front: torch.Tensor) -> None:
+    axes.scatter(
+        front[:, 0], front[:, 1], s=1, color="tab:olive", alpha=0.4, label="Pareto set", zorder=2
+    )
+
+
+def _draw_path(axes: Any, points: torch.Tensor, color: str, start: torch.Tensor) -> None:
+    label = f"start ({float(start[0]):g}, {float(start[1]):g})" if len(start) == 2 else None
+    axes.plot(points[:, 0], points[:, 1], color=color, linewidth=1.5, label=label, zorder=3)
+    axes.scatter(points[:1, 0], points[:1, 1], color=color, marker="o", s=20, zorder=4)
+    axes.scatter(
+        points[-1:, 0],
+        points[-1:, 1],
+        color=color,
+        marker="*",
+        s=60,
+        edgecolors="black",
+        linewidths=0.5,
+        zorder=4,
+    )
+
+
+def _mean_loss_field(
+    problem: ToyProblem, bounds: tuple[float, float, float, float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grid axes and the mean loss on the grid, for contours."""
+    first = torch.linspace(bounds[0], bounds[1], 120, dtype=torch.float64)
+    second = torch.linspace(bounds[2], bounds[3], 120, dtype=torch.float64)
+    grid = torch.stack(torch.meshgrid(first, second, indexing="xy"), dim=-1)
+    return first, second, problem.losses(grid).mean(dim=-1)
+
+
+def _bounds(
+    problem: ToyProblem, trajectories: Mapping[str, Sequence[Trajectory]]
+) -> tuple[float, float, float, float]:
+    """A box around every run and the Pareto set, with a margin."""
+    clouds = [run.positions.detach() for runs in trajectories.values() for run in runs]
+    if problem.front is not None:
+        clouds.append(problem.front)
+    points = torch.cat(clouds).to(torch.float64)
+    low, high = points.min(dim=0).values, points.max(dim=0).values
+    margin = 0.08 * (high - low).clamp_min(1.0)
+    return (
+        float(low[0] - margin[0]),
+        float(high[0] + margin[0]),
+        float(low[1] - margin[1]),
+        float(high[1] + margin[1]),
+    )
+
+
+def _start_color(index: int) -> str:
+    return f"C{(index + 2) % 10}"
+
+
+def _finite(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    values = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    return values[torch.isfinite(values)]
+
+
+def _negative_share(values: torch.Tensor) -> str:
+    if len(values) == 0:
+        return "(n/a)"
+    return f"({100 * float((values < 0).double().mean()):.0f}%)"
+
+
+def _save(figure: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    return path

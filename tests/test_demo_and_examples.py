@@ -1,0 +1,94 @@
+"""The demo and the examples run end to end at a tiny size and write what they promise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from mogradient import HARMONIZERS, demo
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def numbers(value: object) -> list[float]:
+    if isinstance(value, dict):
+        return [number for item in value.values() for number in numbers(item)]
+    if isinstance(value, list):
+        return [number for item in value for number in numbers(item)]
+    return [float(value)] if isinstance(value, int | float) and not isinstance(value, bool) else []
+
+
+def test_demo_writes_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = demo.main(["--out", str(tmp_path / "demo"), "--steps", "3", "--workers", "2"])
+    assert str(out.resolve()) in capsys.readouterr().out
+    summary = json.loads((out / "results.json").read_text())
+    methods = [name for name in HARMONIZERS if name not in demo.SKIPPED]
+    for problem in ("cagrad_toy", "triangle_quadratics"):
+        rows = summary["problems"][problem]
+        assert list(rows) == methods
+        assert all("error" not in row for row in rows.values()), rows
+        values = numbers(rows)
+        assert values and all(math.isfinite(value) for value in values)
+        for suffix in ("parameter_space", "cosines", "weights", "losses"):
+            assert (out / f"{problem}_{suffix}.png").stat().st_size > 1000
+    assert (out / "cagrad_toy_objective_space.png").stat().st_size > 1000
+    markdown = (out / "results.md").read_text()
+    assert "| mgda |" in markdown and "Literature" in markdown
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--steps", "0"], "positive integer"),
+        (["--steps", "many"], "positive integer"),
+        (["--lr", "-1"], "positive number"),
+        (["--methods", "mgda,nope"], "unknown harmonizer"),
+        (["--methods", "fixed"], "unknown harmonizer"),
+    ],
+)
+def test_demo_rejects_bad_arguments(
+    arguments: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(arguments)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_rejects_a_file_as_output_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    with pytest.raises(SystemExit):
+        demo.main(["--out", str(taken)])
+    assert "not a folder" in capsys.readouterr().err
+
+
+def test_toy_trajectories_example(tmp_path: Path) -> None:
+    out = load_example("toy_trajectories").main(
+        ["--out", str(tmp_path), "--steps", "3", "--starts", "2"]
+    )
+    assert (out / "parameter_space.png").stat().st_size > 1000
+    assert (out / "objective_space.png").stat().st_size > 1000
+
+
+def test_multitask_mlp_example(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = load_example("multitask_mlp").main(
+        ["--out", str(tmp_path), "--steps", "5", "--batch", "16", "--harmonizers", "mgda,mean"]
+    )
+    printed = capsys.readouterr().out
+    assert "classification" in printed and "mean" in printed
+    assert (out / "losses.png").stat().st_size > 1000

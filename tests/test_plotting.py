@@ -1,0 +1,79 @@
+"""Each plot function writes a non-empty PNG; bad input and a missing matplotlib fail clearly."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mogradient import plotting
+from mogradient.harmonizers import MGDA, Mean
+from mogradient.toys import Trajectory, cagrad_toy, optimize_starts, triangle_quadratics
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def toy_runs() -> dict[str, list[Trajectory]]:
+    problem = cagrad_toy()
+    return {
+        name: optimize_starts(problem, factory, problem.starts[:3], steps=12, lr=0.05)
+        for name, factory in {"mgda": MGDA, "mean": Mean}.items()
+    }
+
+
+def assert_png(path: Path) -> None:
+    assert path.is_file()
+    assert path.stat().st_size > 1000
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cosine_distributions(tmp_path: Path, toy_runs: dict[str, list[Trajectory]]) -> None:
+    cosines = {name: torch.cat([run.cos_min() for run in runs]) for name, runs in toy_runs.items()}
+    # Degenerate inputs: constant values (no KDE possible) and nothing finite at all.
+    cosines["constant"] = torch.ones(5)
+    cosines["stationary"] = torch.full((5,), float("nan"))
+    path = plotting.plot_cosine_distributions(cosines, tmp_path / "cos.png")
+    assert path == tmp_path / "cos.png"
+    assert_png(path)
+
+
+def test_weight_trajectories(tmp_path: Path, toy_runs: dict[str, list[Trajectory]]) -> None:
+    weights = {name: [run.weights for run in runs] for name, runs in toy_runs.items()}
+    assert_png(plotting.plot_weight_trajectories(weights, tmp_path / "nested" / "weights.png"))
+
+
+def test_loss_curves(tmp_path: Path, toy_runs: dict[str, list[Trajectory]]) -> None:
+    losses = {name: [run.losses for run in runs] for name, runs in toy_runs.items()}
+    path = plotting.plot_loss_curves(losses, tmp_path / "losses.png", objective_names=["a", "b"])
+    assert_png(path)
+
+
+def test_objective_space(tmp_path: Path, toy_runs: dict[str, list[Trajectory]]) -> None:
+    assert_png(plotting.plot_objective_space(cagrad_toy(), toy_runs, tmp_path / "objective.png"))
+
+
+def test_parameter_space(tmp_path: Path, toy_runs: dict[str, list[Trajectory]]) -> None:
+    problem = cagrad_toy()
+    assert_png(plotting.plot_parameter_space(problem, toy_runs, tmp_path / "params.png"))
+    plain = plotting.plot_parameter_space(problem, toy_runs, tmp_path / "plain.png", contour=False)
+    assert_png(plain)
+
+
+def test_trajectory_plots_check_the_problem_shape(
+    tmp_path: Path, toy_runs: dict[str, list[Trajectory]]
+) -> None:
+    with pytest.raises(ValueError, match="2 objectives"):
+        plotting.plot_objective_space(triangle_quadratics(), toy_runs, tmp_path / "x.png")
+    with pytest.raises(ValueError, match="no methods"):
+        plotting.plot_loss_curves({}, tmp_path / "x.png")
+
+
+def test_missing_matplotlib_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'mogradient\[plot\]'"):
+        plotting.plot_cosine_distributions({"mgda": [0.5]}, tmp_path / "x.png")
