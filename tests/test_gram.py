@@ -29,10 +29,10 @@ def test_large_rank_deficient_stack_is_psd_where_float32_is_not() -> None:
 def test_chunked_gram_matches_float64_reference() -> None:
     stack = torch.randn(4, 10_001)
     reference = stack.double() @ stack.double().T
-    upcast = gram_matrix(stack, chunk_columns=997, upcast=True)
+    upcast = gram_matrix(stack, block_columns=997, upcast=True)
     torch.testing.assert_close(upcast, reference, rtol=1e-12, atol=1e-9)
     # Float32 chunk products, float64 accumulation: float32-level error per entry.
-    native = gram_matrix(stack, chunk_columns=997)
+    native = gram_matrix(stack, block_columns=997)
     assert ((native - reference).abs() / reference.diagonal().max()).max() < 1e-6
     assert native.dtype == torch.float64
 

@@ -1,0 +1,570 @@
+"""Exactness and speed of MGDA and UPGrad: mogradient vs TorchJD on the same float32 stacks.
+
+Why: the design claims (DESIGN.md section 2) that Frank-Wolfe MGDA stops far from the
+optimum and that float32 Grams of large rank-deficient stacks break QP-based methods.
+This script measures both claims, and our own cost, on K x D stacks built to have
+conflicts and near rank deficiency. Both libraries get the float32 stack, so every
+timing includes the Gram computation and the final combination.
+
+Run: ``python benchmarks/bench_mgda_exactness.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torchjd.aggregation as tja
+from common import (
+    interleaved_times,
+    machine_info,
+    machine_markdown,
+    markdown_table,
+    timing_summary,
+    write_results,
+)
+
+from mogradient.harmonizers import HARMONIZERS, MGDA
+from mogradient.qp import solve_simplex_qp
+
+NAME = "mgda_exactness"
+CONFLICT_SCALE = 2.0
+NOISE_LEVEL = 1e-3
+GRAM_CHUNK = 1 << 20
+QP_BACKENDS = ("builtin", "cvxpy", "qpsolvers:quadprog")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One stack shape; the seed makes the stack reproducible."""
+
+    num_objectives: int
+    dim: int
+    seed: int
+    repeats: int
+
+
+@dataclass(frozen=True)
+class Method:
+    """A library call that takes the float32 stack and returns its weights (float64)."""
+
+    label: str
+    problem: str
+    run: Callable[[torch.Tensor], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- the stacks
+
+
+def conflicting_stack(num_objectives: int, dim: int, seed: int) -> torch.Tensor:
+    """K x D float32 stack: rank-r shared structure with conflicts, plus small noise.
+
+    g_k = s_k * (b_0 + sum_{j>=1} c_kj b_j + n_k): b_j are r random near-orthonormal
+    directions (r = max(2, K // 2)), every objective shares b_0 (so a common descent
+    direction exists), the conflict coefficients c_kj ~ N(0, 2^2) make many pairs
+    anti-correlated, and the last objective's conflict coefficients are the negation of
+    the first's, rescaled to norm 2, so that pair always conflicts (cosine -0.6 before
+    scaling and noise). n_k is isotropic noise with norm 1e-3 of the structured part.
+    Scales s_k = 10^U(-1, 1) spread gradient norms over two decades. For K = 5, 10 the
+    K - r smallest Gram eigenvalues come from the noise alone, ~1e-9 of the largest
+    diagonal entry: the Gram is near rank deficient.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    rank = max(2, num_objectives // 2)
+    coefficients = CONFLICT_SCALE * torch.randn(num_objectives, rank, generator=generator)
+    coefficients[0, 1:] *= CONFLICT_SCALE / coefficients[0, 1:].norm()
+    coefficients[-1, 1:] = -coefficients[0, 1:]
+    coefficients[:, 0] = 1.0
+    scales = 10.0 ** (2.0 * torch.rand(num_objectives, generator=generator) - 1.0)
+    basis = torch.randn(rank, dim, generator=generator).div_(math.sqrt(dim))
+    stack = coefficients @ basis
+    del basis
+    for row in range(num_objectives):
+        noise_norm = NOISE_LEVEL * float(coefficients[row].norm())
+        noise = torch.randn(dim, generator=generator).mul_(noise_norm / math.sqrt(dim))
+        stack[row].add_(noise).mul_(float(scales[row]))
+    return stack
+
+
+def float64_gram(stack: torch.Tensor) -> np.ndarray:
+    """Reference Gram: float64 accumulation over column chunks, not symmetrized or clipped."""
+    num_objectives, dim = stack.shape
+    gram = torch.zeros(num_objectives, num_objectives, dtype=torch.float64)
+    for start in range(0, dim, GRAM_CHUNK):
+        chunk = stack[:, start : start + GRAM_CHUNK].to(torch.float64)
+        gram += chunk @ chunk.T
+    return gram.numpy()
+
+
+def stack_diagnostics(stack: torch.Tensor, gram: np.ndarray) -> dict[str, float]:
+    """How conflicting and how rank deficient the stack is, and how wrong float32 gets."""
+    norms = np.sqrt(np.diag(gram))
+    cosines = gram / np.outer(norms, norms)
+    off_diagonal = cosines[~np.eye(len(gram), dtype=bool)]
+    max_diag = float(np.max(np.diag(gram)))
+    gram32 = (stack @ stack.T).to(torch.float64).numpy()
+    return {
+        "min_pairwise_cosine": float(off_diagonal.min()) if off_diagonal.size else 1.0,
+        "conflicting_pairs_fraction": float(np.mean(off_diagonal < 0)) if off_diagonal.size else 0,
+        "min_eig_over_max_diag_float64": float(np.linalg.eigvalsh(gram).min() / max_diag),
+        "min_eig_over_max_diag_float32": float(
+            np.linalg.eigvalsh(0.5 * (gram32 + gram32.T)).min() / max_diag
+        ),
+        "float32_gram_max_rel_error": float(np.max(np.abs(gram32 - gram)) / max_diag),
+    }
+
+
+# ----------------------------------------------------------------------------- the methods
+
+
+def mogradient_runner(harmonizer: Callable[[torch.Tensor], Any]) -> Callable:
+    """mogradient returns weights on the raw gradients directly."""
+
+    def run(stack: torch.Tensor) -> torch.Tensor:
+        return harmonizer(stack).weights.to(torch.float64)
+
+    return run
+
+
+def torchjd_runner(aggregator: torch.nn.Module) -> Callable:
+    """TorchJD returns only the direction; a forward hook on its weighting grabs the weights."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        captured["weights"] = output.detach()
+
+    aggregator.gramian_weighting.register_forward_hook(hook)
+
+    def run(stack: torch.Tensor) -> torch.Tensor:
+        captured.clear()
+        aggregator(stack)
+        return captured["weights"].to(torch.float64)
+
+    return run
+
+
+def build_methods() -> tuple[list[Method], str | None]:
+    """All compared calls with default settings; UPGrad of mogradient only if registered."""
+    methods = [
+        Method("mogradient MGDA(normalize=False)", "mgda", mogradient_runner(MGDA(False))),
+        Method("torchjd MGDA()", "mgda", torchjd_runner(tja.MGDA())),
+        Method("mogradient MGDA() [normalize]", "mgda_normalized", mogradient_runner(MGDA())),
+        Method("torchjd UPGrad()", "upgrad", torchjd_runner(tja.UPGrad())),
+    ]
+    upgrad = HARMONIZERS.get("upgrad")
+    if upgrad is None:
+        return methods, "mogradient has no 'upgrad' harmonizer registered: skipped"
+    methods.insert(3, Method("mogradient UPGrad()", "upgrad", mogradient_runner(upgrad())))
+    return methods, None
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def exact_mgda(gram: np.ndarray) -> dict[str, Any]:
+    """Best simplex-QP optimum over three independent solvers, evaluated on the float64 Gram."""
+    objectives: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    for backend in QP_BACKENDS:
+        try:
+            weights = solve_simplex_qp(gram, backend).weights
+            objectives[backend] = float(weights @ gram @ weights)
+        except Exception as error:  # a reference solver failing is reported, not fatal
+            objectives[backend] = None
+            errors[backend] = f"{type(error).__name__}: {error}"
+    found = [value for value in objectives.values() if value is not None]
+    return {"optimum": min(found), "per_backend": objectives, "errors": errors}
+
+
+def exact_upgrad(gram: np.ndarray) -> dict[str, Any]:
+    """Exact UPGrad weights: w = sum_i v_i, v_i = argmin v^T G v s.t. v >= e_i / K.
+
+    Each projection QP is solved by cvxpy (Clarabel) and by quadprog; the feasible
+    solution with the lower objective is kept and its KKT residual reported.
+    """
+    num_objectives = len(gram)
+    normalized = gram / np.max(np.diag(gram))
+    factor = _psd_factor(normalized)
+    total = np.zeros(num_objectives)
+    worst_kkt = 0.0
+    for index in range(num_objectives):
+        lower = np.zeros(num_objectives)
+        lower[index] = 1.0 / num_objectives
+        candidates = [_project_cvxpy(factor, lower), _project_quadprog(normalized, lower)]
+        feasible = [np.maximum(found, lower) for found in candidates if found is not None]
+        best = min(feasible, key=lambda vector: float(vector @ normalized @ vector))
+        worst_kkt = max(worst_kkt, _projection_kkt(normalized, best, lower))
+        total += best
+    return {"weights": total, "kkt_residual": worst_kkt}
+
+
+def torchjd_upgrad_on_gram(gram: np.ndarray, reg_eps: float) -> np.ndarray:
+    """Independent check of the reference: TorchJD's UPGrad weighting, float64, tiny ridge."""
+    from torchjd._linalg import QuadprogProjector
+
+    weighting = tja.UPGradWeighting(projector=QuadprogProjector(reg_eps=reg_eps))
+    return weighting(torch.from_numpy(gram)).numpy()
+
+
+def _project_cvxpy(factor: np.ndarray, lower: np.ndarray) -> np.ndarray | None:
+    import cvxpy as cp
+
+    vector = cp.Variable(len(lower))
+    problem = cp.Problem(cp.Minimize(cp.sum_squares(factor @ vector)), [vector >= lower])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "may be inaccurate": we keep the better solver
+            problem.solve(solver=cp.CLARABEL, tol_gap_abs=1e-14, tol_gap_rel=1e-14, tol_feas=1e-14)
+    except cp.error.SolverError:
+        return None
+    return None if vector.value is None else np.asarray(vector.value)
+
+
+def _project_quadprog(gram: np.ndarray, lower: np.ndarray) -> np.ndarray | None:
+    import qpsolvers
+
+    hessian = 2.0 * gram + 1e-12 * np.eye(len(gram))
+    try:
+        return qpsolvers.solve_qp(hessian, np.zeros(len(gram)), lb=lower, solver="quadprog")
+    except Exception:  # quadprog raises on a numerically singular Hessian
+        return None
+
+
+def _projection_kkt(gram: np.ndarray, vector: np.ndarray, lower: np.ndarray) -> float:
+    """Violation of (G v >= 0, (G v)_k (v_k - l_k) = 0) for min v^T G v s.t. v >= l."""
+    gradient = gram @ vector
+    return float(max(np.max(-gradient, initial=0.0), np.max(np.abs(gradient * (vector - lower)))))
+
+
+def _psd_factor(gram: np.ndarray) -> np.ndarray:
+    eigenvalues, eigenvectors = np.linalg.eigh(0.5 * (gram + gram.T))
+    return (eigenvectors * np.sqrt(np.clip(eigenvalues, 0.0, None))).T
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def mgda_scores(weights: np.ndarray, gram: np.ndarray, optimum: float) -> dict[str, Any]:
+    """Relative gap (f - f*)/f*, and the gap in units of max diag (safe when f* ~ 0).
+
+    Weights are first put back on the simplex (float32 weights sum to 1 +- 1e-7, which
+    alone moves f by ~1e-7 relative, even below f*); the violation is reported.
+    """
+    simplex_violation = abs(float(weights.sum()) - 1.0) + float(np.maximum(-weights, 0).sum())
+    weights = np.maximum(weights, 0.0) / np.maximum(weights, 0.0).sum()
+    value = float(weights @ gram @ weights)
+    max_diag = float(np.max(np.diag(gram)))
+    relative = (value - optimum) / optimum if optimum > 1e-12 * max_diag else None
+    return {
+        "objective": value,
+        "relative_gap": relative,
+        "gap_over_max_diag": (value - optimum) / max_diag,
+        "simplex_violation": simplex_violation,
+        "weights": weights.tolist(),
+    }
+
+
+def upgrad_scores(weights: np.ndarray, gram: np.ndarray, exact: np.ndarray) -> dict[str, Any]:
+    """||J^T w - J^T w*|| / ||J^T w*|| and min_k cos(d, g_k), both through the float64 Gram."""
+    difference = weights - exact
+    distance = math.sqrt(max(float(difference @ gram @ difference), 0.0))
+    reference_norm = math.sqrt(float(exact @ gram @ exact))
+    direction_norm = math.sqrt(max(float(weights @ gram @ weights), 0.0))
+    cosines = (gram @ weights) / (np.sqrt(np.diag(gram)) * max(direction_norm, 1e-300))
+    return {
+        "relative_distance": distance / reference_norm,
+        "min_cosine": float(cosines.min()),
+        "weights": weights.tolist(),
+    }
+
+
+# ----------------------------------------------------------------------------- one case
+
+
+def run_case(case: Case, methods: list[Method]) -> dict[str, Any]:
+    """Build the stack, score each method's first call, then time all interleaved."""
+    started = time.perf_counter()
+    stack = conflicting_stack(case.num_objectives, case.dim, case.seed)
+    gram = float64_gram(stack)
+    result: dict[str, Any] = {
+        "num_objectives": case.num_objectives,
+        "dim": case.dim,
+        "seed": case.seed,
+        "repeats": case.repeats,
+        "diagnostics": stack_diagnostics(stack, gram),
+    }
+    mgda_ref = exact_mgda(gram)
+    normalized_gram = gram / np.sqrt(np.outer(np.diag(gram), np.diag(gram)))
+    normalized_ref = exact_mgda(normalized_gram)
+    upgrad_ref = exact_upgrad(gram)
+    cross_check = torchjd_upgrad_on_gram(gram, reg_eps=1e-10)
+    result["reference"] = {
+        "upgrad_vs_torchjd_reg1e-10_float64": upgrad_scores(
+            cross_check, gram, upgrad_ref["weights"]
+        )["relative_distance"],
+        "mgda": mgda_ref,
+        "mgda_normalized": normalized_ref,
+        "upgrad_kkt_residual": upgrad_ref["kkt_residual"],
+        "upgrad_weights": upgrad_ref["weights"].tolist(),
+    }
+    scored: dict[str, dict[str, Any]] = {}
+    runnable: dict[str, Callable[[], Any]] = {}
+    for method in methods:
+        entry: dict[str, Any] = {"problem": method.problem}
+        try:
+            weights = method.run(stack).numpy()
+        except Exception as error:  # library failures are results, not crashes
+            entry["error"] = f"{type(error).__name__}: {error}".strip()[:300]
+            scored[method.label] = entry
+            continue
+        if method.problem == "mgda":
+            entry.update(mgda_scores(weights, gram, mgda_ref["optimum"]))
+        elif method.problem == "mgda_normalized":
+            alpha = weights * np.sqrt(np.diag(gram))
+            alpha /= alpha.sum()
+            entry.update(mgda_scores(alpha, normalized_gram, normalized_ref["optimum"]))
+        else:
+            entry.update(upgrad_scores(weights, gram, upgrad_ref["weights"]))
+        scored[method.label] = entry
+        runnable[method.label] = _bind(method.run, stack)
+    for label, samples in interleaved_times(runnable, case.repeats).items():
+        scored[label].update(timing_summary(samples))
+    result["methods"] = scored
+    result["case_seconds"] = time.perf_counter() - started
+    del stack
+    gc.collect()
+    return result
+
+
+def _bind(run: Callable[[torch.Tensor], torch.Tensor], stack: torch.Tensor) -> Callable:
+    return lambda: run(stack)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(value: float | None, spec: str = ".2e") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _time(entry: dict[str, Any]) -> str:
+    if "error" not in entry:
+        wall, cpu = entry["median_ms"], entry["cpu_median_ms"]
+        return f"{wall:.3g} ({cpu:.3g})"
+    return "not registered" if entry["error"] == "not registered" else "raised"
+
+
+def _errors(ours: str, theirs: str) -> str:
+    parts = [f"{who}: {text}" for who, text in (("mogradient", ours), ("TorchJD", theirs)) if text]
+    return "; ".join(parts).replace("|", "/")[:160] or "-"
+
+
+def mgda_table(results: list[dict[str, Any]]) -> str:
+    header = [
+        "K",
+        "D",
+        "mogradient plain ms",
+        "TorchJD ms",
+        "mogradient normalize ms",
+        "mogradient rel gap",
+        "TorchJD rel gap",
+        "mogradient gap/maxdiag",
+        "TorchJD gap/maxdiag",
+        "normalize rel gap",
+    ]
+    rows = []
+    for result in results:
+        ours = result["methods"]["mogradient MGDA(normalize=False)"]
+        theirs = result["methods"]["torchjd MGDA()"]
+        normalized = result["methods"]["mogradient MGDA() [normalize]"]
+        rows.append(
+            [
+                str(result["num_objectives"]),
+                f"{result['dim']:.0e}",
+                _time(ours),
+                _time(theirs),
+                _time(normalized),
+                _fmt(ours.get("relative_gap")),
+                _fmt(theirs.get("relative_gap")),
+                _fmt(ours.get("gap_over_max_diag")),
+                _fmt(theirs.get("gap_over_max_diag")),
+                _fmt(normalized.get("relative_gap")),
+            ]
+        )
+    return markdown_table(header, rows)
+
+
+def upgrad_table(results: list[dict[str, Any]]) -> str:
+    header = [
+        "K",
+        "D",
+        "mogradient ms",
+        "TorchJD ms",
+        "mogradient rel dist",
+        "TorchJD rel dist",
+        "mogradient min cos",
+        "TorchJD min cos",
+        "errors",
+    ]
+    rows = []
+    for result in results:
+        ours = result["methods"].get("mogradient UPGrad()", {"error": "not registered"})
+        ours_error = ours.get("error", "")
+        theirs = result["methods"]["torchjd UPGrad()"]
+        rows.append(
+            [
+                str(result["num_objectives"]),
+                f"{result['dim']:.0e}",
+                _time(ours),
+                _time(theirs),
+                _fmt(ours.get("relative_distance")),
+                _fmt(theirs.get("relative_distance")),
+                _fmt(ours.get("min_cosine"), ".3f"),
+                _fmt(theirs.get("min_cosine"), ".3f"),
+                _errors(ours_error, theirs.get("error", "")),
+            ]
+        )
+    return markdown_table(header, rows)
+
+
+def diagnostics_table(results: list[dict[str, Any]]) -> str:
+    header = [
+        "K",
+        "D",
+        "min pairwise cos",
+        "conflicting pairs",
+        "min eig/maxdiag (f64)",
+        "min eig/maxdiag (f32 matmul)",
+        "f32 Gram max err/maxdiag",
+        "UPGrad ref KKT",
+        "UPGrad ref vs TorchJD(reg 1e-10, f64)",
+    ]
+    rows = []
+    for result in results:
+        diag = result["diagnostics"]
+        rows.append(
+            [
+                str(result["num_objectives"]),
+                f"{result['dim']:.0e}",
+                f"{diag['min_pairwise_cosine']:.3f}",
+                f"{diag['conflicting_pairs_fraction']:.0%}",
+                _fmt(diag["min_eig_over_max_diag_float64"]),
+                _fmt(diag["min_eig_over_max_diag_float32"]),
+                _fmt(diag["float32_gram_max_rel_error"]),
+                _fmt(result["reference"]["upgrad_kkt_residual"]),
+                _fmt(result["reference"]["upgrad_vs_torchjd_reg1e-10_float64"]),
+            ]
+        )
+    return markdown_table(header, rows)
+
+
+def markdown_report(payload: dict[str, Any]) -> str:
+    results = payload["cases"]
+    notes = f"\n\nNote: {payload['skipped']}" if payload["skipped"] else ""
+    return f"""# MGDA and UPGrad: exactness and time, mogradient vs TorchJD
+
+{machine_markdown(payload["machine"])}
+Mode: {payload["mode"]}; total run time {payload["total_seconds"]:.0f} s.{notes}
+
+Caveat: on a shared machine, a parallel region (one matmul split over the torch threads)
+waits whenever one of its threads is descheduled, typically a scheduler tick of several ms.
+Code that runs many small parallel matmuls (a chunked Gram) suffers far more from this than
+one large matmul; a CPU time close to the wall time with 2 threads is the sign. The raw
+samples are in the JSON; `--threads 1` gives a contention-robust comparison.
+
+## Stacks
+
+{inspect.cleandoc(conflicting_stack.__doc__ or "").split(chr(10), 1)[1].strip()}
+
+Seeds are fixed per case. Per-case diagnostics (cosines and eigenvalues from the float64 Gram;
+"f32 matmul" is the single float32 `J @ J.T` that TorchJD computes):
+
+{diagnostics_table(results)}
+
+## Method
+
+Both libraries receive the same float32 K x D stack with default settings; every timing is
+the whole call (Gram from the stack, solve, combined direction). Times are medians over the
+repeats listed in the JSON, with the methods interleaved in rotating order each round, shown
+as "wall (process CPU)" in ms; CPU time sums both threads, so on an idle machine it is up to
+2x the wall time, and it is the steadier number when other jobs share the cores.
+Weights are read from each library (TorchJD via a forward hook on its weighting) and scored
+on the float64 Gram (float64 accumulation over 1M-column chunks).
+
+- MGDA: f(a) = ||sum a_k g_k||^2; f* = best of mogradient's builtin solver, cvxpy (Clarabel)
+  and quadprog. rel gap = (f - f*)/f*; gap/maxdiag = (f - f*)/max_k ||g_k||^2. Library
+  weights are put back on the simplex before scoring (TorchJD's float32 weights sum to
+  1 +- 1e-7, which alone would move f by ~1e-7 relative, even below f*).
+  "normalize" is mogradient's default MARBLE variant, scored on the unit-norm Gram.
+- UPGrad: exact weights w* = sum_i v_i with v_i = argmin v^T G v s.t. v >= e_i/K, each QP
+  solved by cvxpy and quadprog in float64 (the better kept; worst KKT residual in the table
+  above). Independent check: TorchJD's own UPGrad weighting run on the float64 Gram with its
+  ridge lowered from 1e-4 to 1e-10 lands within the last column's distance of w*.
+  rel dist = ||J^T w - J^T w*|| / ||J^T w*||; min cos = min_k cos(J^T w, g_k), which UPGrad
+  guarantees to be >= 0.
+
+## MGDA (plain, un-normalized)
+
+{mgda_table(results)}
+
+## UPGrad
+
+{upgrad_table(results)}
+"""
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def cases_for(quick: bool) -> list[Case]:
+    if quick:
+        return [Case(k, 1_000_000, seed=k, repeats=3) for k in (2, 5)]
+    return [
+        Case(k, dim, seed=k + (0 if dim < 10**7 else 100), repeats=21 if dim < 10**7 else 9)
+        for dim in (1_000_000, 20_000_000)
+        for k in (2, 5, 10)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="small subset for a smoke run")
+    parser.add_argument(
+        "--threads", type=int, help="torch intra-op threads (results get a _threadsN suffix)"
+    )
+    args = parser.parse_args()
+    name = NAME
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        name = f"{NAME}_threads{args.threads}"
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    methods, skipped = build_methods()
+    results = []
+    for case in cases_for(args.quick):
+        print(f"case K={case.num_objectives} D={case.dim:.0e} ...", flush=True)
+        results.append(run_case(case, methods))
+    payload = {
+        "machine": {**machine_info(), "loadavg_1_5_15_start": load_start},
+        "mode": "quick" if args.quick else "full",
+        "skipped": skipped,
+        "cases": results,
+        "total_seconds": time.perf_counter() - started,
+    }
+    json_path, md_path = write_results(name, payload, markdown_report(payload))
+    print("\nMGDA\n" + mgda_table(results) + "\n\nUPGrad\n" + upgrad_table(results))
+    print(f"\nwrote {json_path} and {md_path} ({payload['total_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
