@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mogradient.external_qp import solve_with_cvxpy, solve_with_qpsolvers
+
 _MAX_ITERATIONS = 1000
 
 
@@ -41,9 +43,9 @@ def solve_simplex_qp(gram: np.ndarray, backend: str = "builtin") -> SimplexQPSol
     if backend == "builtin":
         weights = _solve_builtin(normalized)
     elif backend == "cvxpy":
-        weights = _solve_cvxpy(normalized)
+        weights = solve_with_cvxpy(normalized)
     elif backend.startswith("qpsolvers:"):
-        weights = _solve_qpsolvers(normalized, backend.split(":", 1)[1])
+        weights = solve_with_qpsolvers(normalized, backend.split(":", 1)[1])
     else:
         raise ValueError(
             f"unknown QP backend {backend!r}; use 'builtin', 'cvxpy' or 'qpsolvers:<solver>'"
@@ -176,58 +178,3 @@ def _polish(gram: np.ndarray, weights: np.ndarray) -> np.ndarray:
     if polished @ gram @ polished <= weights @ gram @ weights:
         return polished
     return weights
-
-
-def _solve_cvxpy(gram: np.ndarray) -> np.ndarray:
-    try:
-        import cvxpy as cp
-    except ImportError as error:
-        raise ImportError("the 'cvxpy' backend needs: pip install 'mogradient[solvers]'") from error
-    num = len(gram)
-    factor = _psd_factor(gram)
-    weights = cp.Variable(num, nonneg=True)
-    problem = cp.Problem(cp.Minimize(cp.sum_squares(factor @ weights)), [cp.sum(weights) == 1])
-    problem.solve(solver=cp.CLARABEL, tol_gap_abs=1e-14, tol_gap_rel=1e-14, tol_feas=1e-14)
-    if weights.value is None:
-        raise RuntimeError(f"cvxpy could not solve the simplex QP: status {problem.status}")
-    return np.asarray(weights.value)
-
-
-def _solve_qpsolvers(gram: np.ndarray, solver: str) -> np.ndarray:
-    try:
-        import qpsolvers
-    except ImportError as error:
-        raise ImportError(
-            "the 'qpsolvers' backend needs: pip install 'mogradient[solvers]'"
-        ) from error
-    num = len(gram)
-    # Strictly convex solvers (quadprog) need a positive-definite matrix: a 1e-14 ridge
-    # changes the objective by at most 1e-14 on the simplex.
-    hessian = 2.0 * gram + 1e-14 * np.eye(num)
-    solution = qpsolvers.solve_qp(
-        P=hessian,
-        q=np.zeros(num),
-        A=np.ones((1, num)),
-        b=np.ones(1),
-        lb=np.zeros(num),
-        ub=np.ones(num),
-        solver=solver,
-        **_QPSOLVERS_TIGHT_OPTIONS.get(solver, {}),
-    )
-    if solution is None:
-        raise RuntimeError(f"qpsolvers solver {solver!r} found no solution of the simplex QP")
-    return np.asarray(solution)
-
-
-_QPSOLVERS_TIGHT_OPTIONS: dict[str, dict[str, float]] = {
-    "clarabel": {"tol_gap_abs": 1e-12, "tol_gap_rel": 1e-12, "tol_feas": 1e-12},
-    "daqp": {"primal_tol": 1e-14, "dual_tol": 1e-14},
-    "osqp": {"eps_abs": 1e-12, "eps_rel": 1e-12, "max_iter": 200000, "polish": True},
-    "proxqp": {"eps_abs": 1e-14, "eps_rel": 0.0},
-}
-
-
-def _psd_factor(gram: np.ndarray) -> np.ndarray:
-    """A matrix F with F^T F = gram (gram PSD up to round-off)."""
-    eigenvalues, eigenvectors = np.linalg.eigh(gram)
-    return (eigenvectors * np.sqrt(np.clip(eigenvalues, 0.0, None))).T

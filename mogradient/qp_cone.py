@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mogradient.external_qp import solve_with_cvxpy, solve_with_qpsolvers
+
 _TOLERANCE = 1e-13
 
 
@@ -50,9 +52,10 @@ def solve_cone_qp(gram: np.ndarray, lower: np.ndarray, backend: str = "builtin")
     if backend == "builtin":
         weights = _solve_builtin(normalized_gram, normalized_lower)
     elif backend == "cvxpy":
-        weights = _solve_cvxpy(normalized_gram, normalized_lower)
+        weights = solve_with_cvxpy(normalized_gram, normalized_lower)
     elif backend.startswith("qpsolvers:"):
-        weights = _solve_qpsolvers(normalized_gram, normalized_lower, backend.split(":", 1)[1])
+        solver = backend.split(":", 1)[1]
+        weights = solve_with_qpsolvers(normalized_gram, solver, normalized_lower)
     else:
         raise ValueError(
             f"unknown QP backend {backend!r}; use 'builtin', 'cvxpy' or 'qpsolvers:<solver>'"
@@ -204,53 +207,3 @@ def _solve_subproblem(
     if np.min(np.diag(factor)) <= 1e-7 * np.sqrt(np.max(np.diag(block))):
         return None
     return np.linalg.solve(factor.T, np.linalg.solve(factor, rhs))
-
-
-def _psd_factor(gram: np.ndarray) -> np.ndarray:
-    """A matrix F with F^T F = gram (gram PSD up to round-off)."""
-    eigenvalues, eigenvectors = np.linalg.eigh(gram)
-    return (eigenvectors * np.sqrt(np.clip(eigenvalues, 0.0, None))).T
-
-
-def _solve_cvxpy(gram: np.ndarray, lower: np.ndarray) -> np.ndarray:
-    try:
-        import cvxpy as cp
-    except ImportError as error:
-        raise ImportError("the 'cvxpy' backend needs: pip install 'mogradient[solvers]'") from error
-    weights = cp.Variable(len(gram))
-    problem = cp.Problem(
-        cp.Minimize(cp.sum_squares(_psd_factor(gram) @ weights)), [weights >= lower]
-    )
-    problem.solve(solver=cp.CLARABEL, tol_gap_abs=1e-12, tol_gap_rel=1e-12, tol_feas=1e-12)
-    if weights.value is None:
-        raise RuntimeError(f"cvxpy could not solve the cone QP: status {problem.status}")
-    return np.asarray(weights.value, dtype=np.float64)
-
-
-_QPSOLVERS_TIGHT_OPTIONS: dict[str, dict[str, float]] = {
-    "clarabel": {"tol_gap_abs": 1e-12, "tol_gap_rel": 1e-12, "tol_feas": 1e-12},
-    "osqp": {"eps_abs": 1e-12, "eps_rel": 1e-12, "max_iter": 200000, "polish": True},
-    "proxqp": {"eps_abs": 1e-14, "eps_rel": 0.0},
-}
-
-
-def _solve_qpsolvers(gram: np.ndarray, lower: np.ndarray, solver: str) -> np.ndarray:
-    try:
-        import qpsolvers
-    except ImportError as error:
-        raise ImportError(
-            "the 'qpsolvers' backend needs: pip install 'mogradient[solvers]'"
-        ) from error
-    num = len(gram)
-    # Strictly convex solvers (quadprog) need a positive-definite matrix; a 1e-14 ridge
-    # moves the optimum by O(1e-14) relative to the (normalized) problem's scale.
-    solution = qpsolvers.solve_qp(
-        P=2.0 * gram + 1e-14 * np.eye(num),
-        q=np.zeros(num),
-        lb=lower,
-        solver=solver,
-        **_QPSOLVERS_TIGHT_OPTIONS.get(solver, {}),
-    )
-    if solution is None:
-        raise RuntimeError(f"qpsolvers solver {solver!r} found no solution of the cone QP")
-    return np.asarray(solution, dtype=np.float64)

@@ -118,6 +118,16 @@ def combine(jacobian: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return direction
 
 
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A private RNG for a randomized method: reproducible with a seed, fresh entropy without."""
+    generator = torch.Generator()
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    return generator
+
+
 def _validated_jacobian(jacobian: torch.Tensor) -> torch.Tensor:
     if not isinstance(jacobian, torch.Tensor):
         raise TypeError(f"the gradient stack must be a torch.Tensor, got {type(jacobian).__name__}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mogradient.harmonizers.base import Harmonizer, Weighting
+from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
 
 
 class RewardDropout(Harmonizer):
@@ -35,11 +35,7 @@ class RewardDropout(Harmonizer):
         self.warmup_steps = int(warmup_steps)
         self.seed = seed
         self.step = 0
-        self._generator = torch.Generator()
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        else:
-            self._generator.seed()
+        self._generator = seeded_generator(seed)
 
     def current_probability(self) -> float:
         """The dropout probability in effect for the next call (after warm-up: ``probability``)."""

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mogradient.harmonizers.base import Harmonizer, Weighting
+from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
 
 
 class GradVac(Harmonizer):
@@ -36,11 +36,7 @@ class GradVac(Harmonizer):
         self.beta = float(beta)
         self.eps = float(eps)
         self.seed = seed
-        self._generator = torch.Generator()
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        else:
-            self._generator.seed()
+        self._generator = seeded_generator(seed)
         self._targets: dict[tuple[int, int], float] = {}
 
     def reset(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mogradient.harmonizers.base import Harmonizer, Weighting
+from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
 
 
 class PCGrad(Harmonizer):
@@ -21,11 +21,7 @@ class PCGrad(Harmonizer):
             raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         self.reduction = reduction
         self.seed = seed
-        self._generator = torch.Generator()
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        else:
-            self._generator.seed()
+        self._generator = seeded_generator(seed)
 
     def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
         count = len(objectives)

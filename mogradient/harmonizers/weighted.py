@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mogradient.harmonizers.base import Harmonizer, Weighting
+from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
 
 
 class FixedWeights(Harmonizer):
@@ -53,11 +53,7 @@ class RandomWeights(Harmonizer):
 
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
-        self._generator = torch.Generator()
-        if seed is not None:
-            self._generator.manual_seed(seed)
-        else:
-            self._generator.seed()
+        self._generator = seeded_generator(seed)
 
     def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
         logits = torch.randn(len(objectives), generator=self._generator, dtype=torch.float64)
