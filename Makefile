@@ -8,10 +8,14 @@ CONSTRAINTS := requirements/constraints.txt
 .PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
+	# Debian's Tesseract for the OCR reward (skipped when already on PATH).
+	command -v tesseract >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq tesseract-ocr >/dev/null; }
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0 -c $(CONSTRAINTS)
-	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench]" -c $(CONSTRAINTS)
+	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,diffusion]" -c $(CONSTRAINTS)
 	touch $(STAMP)
 
 demo: $(STAMP)

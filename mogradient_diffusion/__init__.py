@@ -1,0 +1,1 @@
+"""mogradient_diffusion: multi-reward DiffusionNFT with MARBLE harmonization on SD3."""
