@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mogradient.ema import WeightEMA
+from mogradient.errors import SolverError
 from mogradient.harmonizers.base import Harmonization, Harmonizer
 
 logger = logging.getLogger("mogradient.amortize")
@@ -64,19 +65,23 @@ class Amortizer:
         self, jacobian: torch.Tensor | None = None, *, gram: torch.Tensor | None = None
     ) -> AmortizedStep:
         """Solve on this step's per-objective gradients (or their Gram) and update the cache."""
+        count = (jacobian if jacobian is not None else gram).shape[0]
         try:
             harmonization = self.harmonizer(jacobian, gram=gram)
-        except (RuntimeError, ValueError) as error:
-            return self._fallback_step(f"solver_failure: {error}")
+        except SolverError as error:
+            return self._fallback_step(f"solver_failure: {error}", count)
         if harmonization.fallback == "no_usable_objective" or not harmonization.weights.any():
             reason = harmonization.fallback or "zero_weights"
-            return self._fallback_step(reason, harmonization)
+            return self._fallback_step(reason, count, harmonization)
         self._steps_since_solve = 0
         self.step += 1
         if harmonization.fallback == "single_objective":
             logger.info("full solve had a single usable objective; cache kept")
             return AmortizedStep(harmonization.weights, True, harmonization, "single_objective")
         weights = self.ema.update(harmonization.weights)
+        # Smoothing must not put weight back on a gradient that is zero or NaN this step.
+        diagonal = torch.diagonal(harmonization.gram).cpu()
+        weights[~(torch.isfinite(diagonal) & (diagonal > 0))] = 0.0
         return AmortizedStep(weights, True, harmonization, harmonization.fallback)
 
     def cached_step(self) -> AmortizedStep:
@@ -93,15 +98,17 @@ class Amortizer:
             "step": self.step,
             "steps_since_solve": self._steps_since_solve,
             "ema": self.ema.state_dict(),
+            "harmonizer": self.harmonizer.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.step = int(state["step"])  # type: ignore[arg-type]
         self._steps_since_solve = state["steps_since_solve"]  # type: ignore[assignment]
         self.ema.load_state_dict(state["ema"])  # type: ignore[arg-type]
+        self.harmonizer.load_state_dict(state.get("harmonizer", {}))  # type: ignore[arg-type]
 
     def _fallback_step(
-        self, reason: str, harmonization: Harmonization | None = None
+        self, reason: str, count: int, harmonization: Harmonization | None = None
     ) -> AmortizedStep:
         logger.warning("harmonization fallback at step %d: %s", self.step, reason)
         self.step += 1
@@ -109,6 +116,4 @@ class Amortizer:
             self._steps_since_solve += 1
         if self.ema.value is not None:
             return AmortizedStep(self.ema.value.clone(), False, harmonization, reason)
-        count = harmonization.weights.numel() if harmonization is not None else 0
-        weights = torch.zeros(count, dtype=torch.float64)
-        return AmortizedStep(weights, False, harmonization, reason)
+        return AmortizedStep(torch.zeros(count, dtype=torch.float64), False, harmonization, reason)

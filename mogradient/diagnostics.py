@@ -75,9 +75,11 @@ def _from_jacobian(
         raise ValueError(
             f"{jacobian.shape[0]} objectives but weights of shape {tuple(weights.shape)}"
         )
-    norms = torch.linalg.vector_norm(jacobian, dim=1).to(torch.float64).cpu()
+    # Half-precision products overflow: measure in at least float32.
+    compute = torch.promote_types(jacobian.dtype, torch.float32)
+    norms = torch.linalg.vector_norm(jacobian, dim=1, dtype=compute).to(torch.float64).cpu()
     direction = combine(jacobian, weights) if direction is None else direction
-    dots = (jacobian @ direction.to(jacobian.dtype)).to(torch.float64).cpu()
+    dots = (jacobian.to(compute) @ direction.to(compute)).to(torch.float64).cpu()
     direction_norm = float(torch.linalg.vector_norm(direction.to(torch.float64)))
     return norms, dots, direction_norm, jacobian.dtype
 

@@ -8,9 +8,11 @@ import torch
 class WeightEMA:
     """``ema = rho * ema + (1 - rho) * new``, renormalized; the first update is taken as is.
 
-    Smoothing is done on simplex-like weights (e.g. MGDA's alpha); renormalization keeps
-    their sum at the new weights' sum. Objectives absent from an update (weight
-    exactly zero because they were dropped) keep decaying towards zero.
+    The Amortizer smooths the raw-gradient weights a full solve applies. When the new
+    weights have a clearly positive sum (at least half their L1 norm: MGDA, fixed
+    positive weights) the smoothed ones are rescaled to that sum, so smoothing changes
+    the mix and not the step size; signed weights (IMTL-G, Aligned-MTL) are blended as
+    they are. Objectives absent from an update (weight zero) keep decaying towards zero.
     """
 
     def __init__(self, rho: float = 0.7) -> None:
@@ -28,7 +30,7 @@ class WeightEMA:
             self.value = weights.clone()
             return self.value.clone()
         smoothed = self.rho * self.value + (1.0 - self.rho) * weights
-        if smoothed.sum() != 0 and weights.sum() != 0:
+        if _mostly_positive(weights) and _mostly_positive(smoothed):
             smoothed = smoothed * (weights.sum() / smoothed.sum())
         self.value = smoothed
         return smoothed.clone()
@@ -40,3 +42,7 @@ class WeightEMA:
         self.rho = float(state["rho"])  # type: ignore[arg-type]
         value = state["value"]
         self.value = None if value is None else torch.as_tensor(value, dtype=torch.float64)
+
+
+def _mostly_positive(weights: torch.Tensor) -> bool:
+    return bool(weights.sum() > 0.5 * weights.abs().sum())

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mogradient.errors import SolverError
+
 TIGHT_QPSOLVERS_OPTIONS: dict[str, dict[str, float]] = {
     "clarabel": {"tol_gap_abs": 1e-12, "tol_gap_rel": 1e-12, "tol_feas": 1e-12},
     "daqp": {"primal_tol": 1e-14, "dual_tol": 1e-14},
@@ -31,7 +33,7 @@ def solve_with_cvxpy(gram: np.ndarray, lower: np.ndarray | None = None) -> np.nd
     problem = cp.Problem(cp.Minimize(cp.sum_squares(psd_factor(gram) @ weights)), constraints)
     problem.solve(solver=cp.CLARABEL, **TIGHT_QPSOLVERS_OPTIONS["clarabel"])
     if weights.value is None:
-        raise RuntimeError(f"cvxpy could not solve the QP: status {problem.status}")
+        raise SolverError(f"cvxpy could not solve the QP: status {problem.status}")
     return np.asarray(weights.value, dtype=np.float64)
 
 
@@ -58,7 +60,7 @@ def solve_with_qpsolvers(
         **TIGHT_QPSOLVERS_OPTIONS.get(solver, {}),
     )
     if solution is None:
-        raise RuntimeError(f"qpsolvers solver {solver!r} found no solution of the QP")
+        raise SolverError(f"qpsolvers solver {solver!r} found no solution of the QP")
     return np.asarray(solution, dtype=np.float64)
 
 

@@ -85,7 +85,8 @@ def combinable_gradients(
     if method != "batched":
         raise ValueError(f"unknown gradient method {method!r}; use 'sequential' or 'batched'")
     terms = loss.terms.reshape(-1)
-    cotangents = loss.coefficients.to(terms.dtype).reshape(loss.num_objectives, -1)
+    cotangents = loss.coefficients.to(device=terms.device, dtype=terms.dtype)
+    cotangents = cotangents.reshape(loss.num_objectives, -1)
     return _batched_vjp(terms, cotangents, parameters, chunk_size, retain_graph)
 
 
@@ -98,7 +99,8 @@ def write_gradient(parameters: Iterable[torch.Tensor], direction: torch.Tensor) 
     offset = 0
     for parameter in parameters:
         size = parameter.numel()
-        piece = direction[offset : offset + size].view_as(parameter).to(parameter.dtype)
+        piece = direction[offset : offset + size].view_as(parameter)
+        piece = piece.to(device=parameter.device, dtype=parameter.dtype)
         parameter.grad = piece.clone()
         offset += size
 
@@ -111,7 +113,9 @@ def _batched_vjp(
     retain_graph: bool,
 ) -> torch.Tensor:
     count = cotangents.shape[0]
-    chunk = count if chunk_size is None else max(1, int(chunk_size))
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 (or None for all at once), got {chunk_size}")
+    chunk = count if chunk_size is None else int(chunk_size)
     rows = []
     for start in range(0, count, chunk):
         block = cotangents[start : start + chunk]

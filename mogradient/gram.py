@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 DEFAULT_BLOCK_COLUMNS = 1 << 14
-# Columns converted to float64 at a time when upcasting (bounds the extra memory).
+# Columns converted at a time when upcasting or widening half types (bounds the memory).
 _UPCAST_SPAN_BLOCKS = 64
 
 
@@ -42,14 +42,25 @@ def accumulate_gram(
     if block_columns <= 0:
         raise ValueError(f"block_columns must be positive, got {block_columns}")
     dim = jacobian.shape[1]
-    span = block_columns * _UPCAST_SPAN_BLOCKS if upcast else max(dim, 1)
+    compute_dtype = _compute_dtype(jacobian.dtype, upcast)
+    convert = compute_dtype != jacobian.dtype
+    span = block_columns * _UPCAST_SPAN_BLOCKS if convert else max(dim, 1)
     gram = torch.zeros(
         jacobian.shape[0], jacobian.shape[0], dtype=torch.float64, device=jacobian.device
     )
     for start in range(0, dim, span):
         piece = jacobian[:, start : start + span]
-        gram += _blocked_products(piece.to(torch.float64) if upcast else piece, block_columns)
+        gram += _blocked_products(piece.to(compute_dtype) if convert else piece, block_columns)
     return 0.5 * (gram + gram.T)
+
+
+def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
+    """float64 when asked; float32 for half types (float16 block sums overflow at norm ~256)."""
+    if upcast:
+        return torch.float64
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype
 
 
 def _blocked_products(piece: torch.Tensor, block_columns: int) -> torch.Tensor:

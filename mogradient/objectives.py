@@ -11,6 +11,7 @@ with terms T (J x B, differentiable) and coefficients C (K x J x B, constants), 
 combination sum_k w_k L_k has coefficients sum_k w_k C[k] and therefore one backward
 pass gives exactly sum_k w_k grad L_k, for any real weights, with masks and clamps
 already folded into C. Terms outside the harmonization (a KL penalty) go in ``extra``.
+Terms must be finite: a NaN term poisons every combination, even with zero weight.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class CombinableLoss:
             )
         if self.coefficients.requires_grad:
             raise ValueError("coefficients must be constants: detach them")
+        if self.extra is not None and self.extra.numel() != 1:
+            raise ValueError(f"extra must be a scalar loss, got shape {tuple(self.extra.shape)}")
         if not torch.isfinite(self.coefficients).all():
             raise ValueError(
                 "coefficients contain NaN or Inf; mask not-applicable samples with a zero "
@@ -52,8 +55,7 @@ class CombinableLoss:
 
     def objective_losses(self) -> torch.Tensor:
         """The K per-objective losses (without ``extra``), still attached to the graph."""
-        coefficients = self.coefficients.to(self.terms.dtype)
-        return torch.einsum("kjb,jb->k", coefficients, self.terms)
+        return torch.einsum("kjb,jb->k", self._coefficients(), self.terms)
 
     def combined(self, weights: torch.Tensor | list[float]) -> torch.Tensor:
         """``sum_k w_k L_k + extra`` as one scalar; its gradient is sum_k w_k grad L_k (+ extra)."""
@@ -64,9 +66,12 @@ class CombinableLoss:
             )
         if not torch.isfinite(weights).all():
             raise ValueError("weights contain NaN or Inf")
-        combined = torch.einsum("k,kjb->jb", weights, self.coefficients.to(self.terms.dtype))
+        combined = torch.einsum("k,kjb->jb", weights, self._coefficients())
         loss = (combined * self.terms).sum()
-        return loss if self.extra is None else loss + self.extra
+        return loss if self.extra is None else loss + self.extra.reshape(())
+
+    def _coefficients(self) -> torch.Tensor:
+        return self.coefficients.to(device=self.terms.device, dtype=self.terms.dtype)
 
 
 def masked_mean_coefficients(per_sample: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mogradient.errors import SolverError
 from mogradient.external_qp import solve_with_cvxpy, solve_with_qpsolvers
 
 _MAX_ITERATIONS = 1000
@@ -89,7 +90,7 @@ def _project_to_simplex(weights: np.ndarray) -> np.ndarray:
     weights = np.maximum(np.asarray(weights, dtype=np.float64).reshape(-1), 0.0)
     total = weights.sum()
     if not np.isfinite(total) or total <= 0:
-        raise RuntimeError("QP backend returned no usable solution")
+        raise SolverError("QP backend returned no usable solution")
     return weights / total
 
 

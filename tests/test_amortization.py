@@ -17,11 +17,15 @@ from mogradient import (
     MGDA,
     Amortizer,
     CombinableLoss,
+    FixedWeights,
     Harmonizer,
+    Mean,
+    RewardDropout,
     combinable_gradients,
     masked_mean_coefficients,
     objective_gradients,
 )
+from mogradient.errors import SolverError
 from mogradient.harmonizers.base import Weighting
 
 A_MAX = 1.0
@@ -108,7 +112,7 @@ def test_coefficient_validation() -> None:
 
 class _Failing(Harmonizer):
     def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
-        raise RuntimeError("solver exploded")
+        raise SolverError("solver exploded")
 
 
 def test_schedule_warmup_then_every_period() -> None:
@@ -126,16 +130,42 @@ def test_schedule_warmup_then_every_period() -> None:
 
 
 def test_cached_steps_reuse_smoothed_weights() -> None:
-    amortizer = Amortizer(MGDA(), period=2, rho=0.7)
-    first_jacobian = torch.randn(3, 10, dtype=torch.float64)
-    second_jacobian = torch.randn(3, 10, dtype=torch.float64)
-    first = amortizer.full_step(first_jacobian)
-    torch.testing.assert_close(first.weights, MGDA()(first_jacobian).weights)
+    amortizer = Amortizer(FixedWeights([1.0, 1.0]), period=2, rho=0.7)
+    first = amortizer.full_step(gram=torch.eye(2))
+    torch.testing.assert_close(first.weights, torch.tensor([1.0, 1.0], dtype=torch.float64))
     torch.testing.assert_close(amortizer.cached_step().weights, first.weights)
-    second = amortizer.full_step(second_jacobian)
-    fresh = MGDA()(second_jacobian).weights
-    blended = 0.7 * first.weights + 0.3 * fresh
-    torch.testing.assert_close(second.weights, blended * fresh.sum() / blended.sum())
+    amortizer.harmonizer = FixedWeights([2.0, 0.0])
+    second = amortizer.full_step(gram=torch.eye(2))
+    # 0.7 * [1, 1] + 0.3 * [2, 0] = [1.3, 0.7], rescaled to the new total 2: unchanged.
+    torch.testing.assert_close(second.weights, torch.tensor([1.3, 0.7], dtype=torch.float64))
+
+
+def test_smoothing_never_revives_a_nan_gradient() -> None:
+    amortizer = Amortizer(MGDA(), period=1, rho=0.7)
+    jacobian = torch.randn(3, 10, dtype=torch.float64)
+    amortizer.full_step(jacobian)
+    jacobian[1] = float("nan")
+    step = amortizer.full_step(jacobian)
+    assert step.weights[1] == 0 and step.weights[[0, 2]].gt(0).all()
+    from mogradient.harmonizers.base import combine
+
+    assert torch.isfinite(combine(jacobian, step.weights)).all()
+
+
+def test_harmonizer_state_survives_a_resume() -> None:
+    def fresh() -> Amortizer:
+        return Amortizer(RewardDropout(Mean(), 0.5, warmup_steps=4, seed=1), period=1)
+
+    jacobian = torch.randn(4, 6, dtype=torch.float64)
+    original = fresh()
+    for _ in range(3):
+        original.full_step(jacobian)
+    restored = fresh()
+    restored.load_state_dict(original.state_dict())
+    for _ in range(5):
+        torch.testing.assert_close(
+            restored.full_step(jacobian).weights, original.full_step(jacobian).weights
+        )
 
 
 def test_fallbacks_are_explicit_and_keep_the_cache(caplog: pytest.LogCaptureFixture) -> None:
@@ -154,7 +184,11 @@ def test_fallbacks_are_explicit_and_keep_the_cache(caplog: pytest.LogCaptureFixt
     torch.testing.assert_close(amortizer.cached_step().weights, cached)
     failing = Amortizer(_Failing(), period=1)
     failed = failing.full_step(jacobian)
-    assert failed.fallback.startswith("solver_failure") and (failed.weights == 0).all()
+    assert failed.fallback.startswith("solver_failure")
+    assert failed.weights.shape == (3,) and (failed.weights == 0).all()
+    # Configuration errors are not solver failures: they surface at once.
+    with pytest.raises(ValueError, match="one weight per objective"):
+        Amortizer(FixedWeights([1.0, 2.0])).full_step(jacobian)
     with pytest.raises(RuntimeError, match="first step"):
         Amortizer(MGDA()).cached_step()
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from mogradient import (
+    HARMONIZERS,
     MGDA,
     FixedWeights,
     Mean,
@@ -19,6 +20,7 @@ from mogradient import (
     RandomWeights,
     RewardDropout,
     WeightEMA,
+    conflict_diagnostics,
     make_harmonizer,
 )
 from mogradient.qp import solve_simplex_qp
@@ -112,6 +114,10 @@ def test_mgda_preferences_and_floor() -> None:
         MGDA(alpha_floor=0.5)(jacobian)
     with pytest.raises(ValueError, match="non-negative"):
         MGDA(preferences=[-1.0, 1.0])
+    with pytest.raises(ValueError, match="finite"):
+        MGDA(preferences=[float("nan"), 1.0])
+    with pytest.raises(ValueError, match="alpha_floor"):
+        MGDA(alpha_floor=-0.1)
 
 
 def test_pcgrad_matches_explicit_projection() -> None:
@@ -150,6 +156,13 @@ def test_fixed_weights_and_mean() -> None:
     )
     with pytest.raises(ValueError, match="one weight per objective"):
         FixedWeights([1.0, 1.0])(torch.randn(3, 4))
+    signed = torch.randn(3, 4, dtype=torch.float64)
+    signed[2] = 0
+    # The L1 mass 3.999 is kept: [1, 1] * 3.999 / 2, not a collapse by the signed sum.
+    torch.testing.assert_close(
+        FixedWeights([1.0, 1.0, -1.999])(signed).weights,
+        torch.tensor([1.9995, 1.9995, 0.0], dtype=torch.float64),
+    )
 
 
 def test_random_weights_are_seeded_softmax() -> None:
@@ -187,6 +200,12 @@ def test_weight_ema() -> None:
     torch.testing.assert_close(first, torch.tensor([1.0, 0.0], dtype=torch.float64))
     second = ema.update(torch.tensor([0.0, 1.0]))
     torch.testing.assert_close(second, torch.tensor([0.7, 0.3], dtype=torch.float64))
+    # Signed weights are blended, never rescaled by a near-zero or negative sum.
+    signed = WeightEMA(rho=0.5)
+    signed.update(torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(
+        signed.update(torch.tensor([-0.99, 1.0])), torch.tensor([0.005, 0.5], dtype=torch.float64)
+    )
     restored = WeightEMA()
     restored.load_state_dict(ema.state_dict())
     torch.testing.assert_close(restored.value, ema.value)
@@ -229,8 +248,27 @@ def test_bad_shapes_are_named() -> None:
         make_harmonizer("nope")
 
 
-def test_gram_only_input_gives_the_same_weights() -> None:
-    jacobian = torch.randn(5, 11, dtype=torch.float64)
-    from_gram = MGDA()(gram=jacobian @ jacobian.T)
+@pytest.mark.parametrize("name", sorted(HARMONIZERS))
+def test_gram_only_input_gives_the_same_weights(name: str) -> None:
+    jacobian = torch.randn(5, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    options = {"seed": 0} if name in ("pcgrad", "rlw", "gradvac") else {}
+    from_gram = make_harmonizer(name, **options)(gram=jacobian @ jacobian.T)
     assert from_gram.direction is None
-    torch.testing.assert_close(from_gram.weights, MGDA()(jacobian).weights)
+    torch.testing.assert_close(
+        from_gram.weights, make_harmonizer(name, **options)(jacobian).weights
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_stacks_are_measured_in_float32(dtype: torch.dtype) -> None:
+    # Entries of size ~30: float16 block sums of squares would overflow (max 65504).
+    reference = 30 * torch.randn(3, 20_000, generator=torch.Generator().manual_seed(0))
+    half = reference.to(dtype)
+    result = MGDA()(half)
+    assert result.dropped == () and result.fallback is None
+    expected = MGDA()(half.double())
+    torch.testing.assert_close(result.weights, expected.weights, rtol=1e-4, atol=1e-6)
+    record = conflict_diagnostics(result.weights, jacobian=half)
+    exact = conflict_diagnostics(result.weights, jacobian=half.double())
+    for k in range(3):
+        assert abs(record[f"cos/{k}"] - exact[f"cos/{k}"]) < 1e-2

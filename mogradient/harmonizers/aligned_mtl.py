@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mogradient.harmonizers.base import Harmonizer, Weighting
-from mogradient.harmonizers.upgrad import preferences_for, validated_preferences
+from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
+from mogradient.harmonizers.upgrad import preferences_for
 
 _SCALE_MODES = ("min", "median", "rmse")
 

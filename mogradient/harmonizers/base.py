@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mogradient.errors import SolverError
 from mogradient.gram import accumulate_gram, make_psd
 
 
@@ -70,7 +71,7 @@ class Harmonizer(ABC):
                     f"{tuple(weighting.weights.shape)}, expected ({len(objectives)},)"
                 )
             if not torch.isfinite(weighting.weights).all():
-                raise RuntimeError(f"{type(self).__name__} produced non-finite weights")
+                raise SolverError(f"{type(self).__name__} produced non-finite weights")
             weights[objectives] = weighting.weights.to(torch.float64)
             if weighting.fallback is None and len(objectives) == 1 and num_objectives > 1:
                 weighting = Weighting(weighting.weights, weighting.kkt_residual, "single_objective")
@@ -95,6 +96,15 @@ class Harmonizer(ABC):
         numbering, for methods that keep per-objective state.
         """
 
+    def state_dict(self) -> dict[str, Any]:
+        """State that a resumed run needs (RNG of randomized methods; subclasses add more)."""
+        generator = getattr(self, "_generator", None)
+        return {} if generator is None else {"generator": generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "generator" in state:
+            self._generator.set_state(state["generator"])
+
     def __repr__(self) -> str:
         settings = ", ".join(
             f"{key}={value!r}" for key, value in vars(self).items() if not key.startswith("_")
@@ -116,6 +126,26 @@ def combine(jacobian: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     for index in torch.nonzero(used).flatten().tolist():
         direction.add_(jacobian[index], alpha=float(weights[index]))
     return direction
+
+
+def validated_preferences(
+    preferences: list[float] | torch.Tensor | None, name: str
+) -> torch.Tensor | None:
+    """A 1-D, finite, non-negative, not-all-zero float64 preference vector (or None)."""
+    if preferences is None:
+        return None
+    preferences = torch.as_tensor(preferences, dtype=torch.float64).detach().cpu()
+    if (
+        preferences.ndim != 1
+        or len(preferences) == 0
+        or not torch.isfinite(preferences).all()
+        or (preferences < 0).any()
+        or preferences.sum() <= 0
+    ):
+        raise ValueError(
+            f"{name} must be a non-empty 1-D list of finite, non-negative numbers, not all zero"
+        )
+    return preferences.clone()
 
 
 def seeded_generator(seed: int | None) -> torch.Generator:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
@@ -14,7 +16,9 @@ class RewardDropout(Harmonizer):
     linearly from 0 over ``warmup_steps`` calls. If every usable objective would be
     dropped, one of them, chosen uniformly, is kept so a step is never empty. The
     inner harmonizer sees only the kept objectives (:class:`FixedWeights` rescales
-    them to its configured total).
+    them to its configured total). Inside an :class:`~mogradient.amortize.Amortizer` a
+    mask lasts as long as the cached weights: use ``period=1`` for a fresh mask per step
+    (cheap: the wrapped weighting needs no gradients).
     """
 
     def __init__(
@@ -36,6 +40,14 @@ class RewardDropout(Harmonizer):
         self.seed = seed
         self.step = 0
         self._generator = seeded_generator(seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "step": self.step, "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.step = int(state["step"])
+        self.inner.load_state_dict(state["inner"])
 
     def current_probability(self) -> float:
         """The dropout probability in effect for the next call (after warm-up: ``probability``)."""

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mogradient.harmonizers.base import Harmonizer, Weighting
-from mogradient.harmonizers.upgrad import (
-    preferences_for,
-    regularized_gram,
-    validated_preferences,
-    validated_reg_eps,
-)
+from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
+from mogradient.harmonizers.upgrad import preferences_for, regularized_gram, validated_reg_eps
 from mogradient.qp_cone import solve_cone_qp
 
 

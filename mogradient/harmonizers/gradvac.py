@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -47,6 +48,13 @@ class GradVac(Harmonizer):
     def targets(self) -> dict[tuple[int, int], float]:
         """Current EMA cosine targets, keyed by (objective i, objective j) original indices."""
         return dict(self._targets)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "targets": dict(self._targets)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._targets = dict(state.get("targets", {}))
 
     def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
         count = len(objectives)

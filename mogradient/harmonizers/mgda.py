@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mogradient.harmonizers.base import Harmonizer, Weighting
+from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
 from mogradient.qp import solve_simplex_qp
 
 
@@ -26,12 +26,10 @@ class MGDA(Harmonizer):
         alpha_floor: float = 0.0,
         backend: str = "builtin",
     ) -> None:
-        if preferences is not None:
-            preferences = torch.as_tensor(preferences, dtype=torch.float64)
-            if preferences.ndim != 1 or (preferences < 0).any() or preferences.sum() <= 0:
-                raise ValueError("preferences must be 1-D, non-negative and not all zero")
+        if not 0.0 <= alpha_floor < 1.0:
+            raise ValueError(f"alpha_floor must be in [0, 1), got {alpha_floor}")
         self.normalize = normalize
-        self.preferences = preferences
+        self.preferences = validated_preferences(preferences, "preferences")
         self.alpha_floor = float(alpha_floor)
         self.backend = backend
 
@@ -50,7 +48,7 @@ class MGDA(Harmonizer):
             if int(objectives.max()) >= len(self.preferences):
                 raise ValueError(
                     f"got {int(objectives.max()) + 1}+ objectives but only "
-                    f"{len(self.preferences)} preferences"
+                    f"{len(self.preferences)} preferences; give one per objective"
                 )
             tilted = alpha * self.preferences[objectives]
             alpha = tilted / tilted.sum() if tilted.sum() > 0 else alpha

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mogradient.harmonizers.base import Harmonizer, Weighting
+from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
 from mogradient.qp_cone import solve_cone_qp
 
 
@@ -46,26 +46,6 @@ class UPGrad(Harmonizer):
             weights += torch.from_numpy(solution.weights)
             residual = max(residual, solution.kkt_residual)
         return Weighting(weights, kkt_residual=residual)
-
-
-def validated_preferences(
-    preferences: list[float] | torch.Tensor | None, name: str
-) -> torch.Tensor | None:
-    """A 1-D, finite, non-negative, not-all-zero float64 preference vector (or None)."""
-    if preferences is None:
-        return None
-    preferences = torch.as_tensor(preferences, dtype=torch.float64).detach().cpu()
-    if (
-        preferences.ndim != 1
-        or len(preferences) == 0
-        or not torch.isfinite(preferences).all()
-        or (preferences < 0).any()
-        or preferences.sum() <= 0
-    ):
-        raise ValueError(
-            f"{name} must be a non-empty 1-D list of finite, non-negative numbers, not all zero"
-        )
-    return preferences.clone()
 
 
 def preferences_for(preferences: torch.Tensor | None, objectives: torch.Tensor) -> torch.Tensor:

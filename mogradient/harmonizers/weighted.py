@@ -12,7 +12,8 @@ class FixedWeights(Harmonizer):
 
     When some objectives are unusable (zero / non-finite gradient, or dropped by
     :class:`RewardDropout`) the remaining weights are rescaled to keep the configured
-    total, so the update's size does not shrink with the number of objectives present.
+    total magnitude (L1 norm), so the update's size does not shrink with the number of
+    objectives present.
     ``weights=None`` is the plain sum: weight 1 for every objective present.
     """
 
@@ -28,8 +29,8 @@ class FixedWeights(Harmonizer):
                 f"{int(objectives.max())}; give one weight per objective"
             )
         present = self.weights[objectives]
-        if len(objectives) < len(self.weights) and present.sum() != 0:
-            present = present * (self.weights.sum() / present.sum())
+        if len(objectives) < len(self.weights) and present.abs().sum() > 0:
+            present = present * (self.weights.abs().sum() / present.abs().sum())
         return Weighting(present.clone())
 
 
