@@ -1,0 +1,233 @@
+"""Atomic checkpoints and RNG capture, for resuming a run exactly where it stopped.
+
+A checkpoint is ``run_dir/checkpoints/step_XXXXXXXX/`` holding ``state.pt`` (torch.save of
+the state dict) and ``manifest.json``. It is written into a hidden temporary sibling,
+fsynced, then renamed into place, so a crash at any point leaves either the complete new
+checkpoint or none: ``latest_checkpoint`` only considers renamed directories with a
+manifest. One process (rank 0) writes a run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+STATE_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
+_TEMP_PREFIX = ".tmp-"
+
+
+def _checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable, not just the files themselves."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, write: Callable[[BinaryIO], object]) -> int:
+    with open(path, "wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return path.stat().st_size
+
+
+def _temporary_sibling(checkpoints: Path, name: str) -> Path:
+    return checkpoints / f"{_TEMP_PREFIX}{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]) -> Path:
+    """Write ``state`` as the checkpoint of ``step`` atomically and return its directory.
+
+    An existing checkpoint of the same step is replaced (moved aside first, so a crash
+    mid-replacement still leaves the older checkpoints intact).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    checkpoints = _checkpoints_dir(run_dir)
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    final = checkpoints / f"step_{step:08d}"
+    temporary = _temporary_sibling(checkpoints, final.name)
+    temporary.mkdir()
+    try:
+        size = _write_file(temporary / STATE_FILE, lambda handle: torch.save(state, handle))
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "keys": sorted(str(key) for key in state),
+            "files": {STATE_FILE: size},
+            "saved_at": time.time(),
+            "torch": torch.__version__,
+        }
+        text = json.dumps(manifest, indent=2).encode()
+        _write_file(temporary / MANIFEST_FILE, lambda handle: handle.write(text))
+        _fsync_dir(temporary)
+        replaced = _temporary_sibling(checkpoints, final.name + "-replaced")
+        if final.exists():
+            final.rename(replaced)
+        try:
+            os.replace(temporary, final)
+        except BaseException:
+            if replaced.exists():
+                replaced.rename(final)
+            raise
+        _fsync_dir(checkpoints)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    _remove_leftovers(checkpoints, f"{_TEMP_PREFIX}{final.name}-replaced-")
+    return final
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    checkpoints = _checkpoints_dir(run_dir)
+    if not checkpoints.is_dir():
+        return []
+    found = []
+    for path in checkpoints.iterdir():
+        match = _STEP_DIR.fullmatch(path.name)
+        if not match or not path.is_dir():
+            continue
+        manifest = _read_manifest(path)
+        if manifest is not None and manifest.get("step") == int(match.group(1)):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step, or None when there is none."""
+    complete = _complete_checkpoints(run_dir)
+    return complete[-1][1] if complete else None
+
+
+def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> dict[str, Any]:
+    """The state saved in checkpoint directory ``path``, with tensors on the CPU.
+
+    ``weights_only`` (torch.load's safe unpickler) accepts tensors, containers and plain
+    numbers, which covers model, optimizer and ``rng_state()`` states; pass False only for
+    trusted checkpoints holding other objects.
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    if manifest is None:
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no readable manifest)")
+    state_file = path / STATE_FILE
+    expected = manifest["files"][STATE_FILE]
+    if not state_file.is_file() or state_file.stat().st_size != expected:
+        raise OSError(f"{state_file} is missing or truncated (manifest says {expected} bytes)")
+    return torch.load(state_file, map_location="cpu", weights_only=weights_only)
+
+
+def _remove_leftovers(checkpoints: Path, prefix: str = _TEMP_PREFIX) -> list[Path]:
+    leftovers = [path for path in checkpoints.iterdir() if path.name.startswith(prefix)]
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
+
+
+def keep_last(run_dir: str | os.PathLike, n: int) -> list[Path]:
+    """Delete all but the newest ``n`` complete checkpoints, and leftover temporaries.
+
+    Each doomed checkpoint is first renamed to a temporary name, so a crash mid-delete
+    never leaves a partial directory that looks complete. Returns the removed paths.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1 (never delete the latest), got {n!r}")
+    checkpoints = _checkpoints_dir(run_dir)
+    if not checkpoints.is_dir():
+        return []
+    removed = _remove_leftovers(checkpoints)
+    for _, path in _complete_checkpoints(run_dir)[:-n]:
+        doomed = _temporary_sibling(checkpoints, path.name + "-deleted")
+        path.rename(doomed)
+        shutil.rmtree(doomed)
+        removed.append(path)
+    return removed
+
+
+def rng_state(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
+    """Python, numpy, torch CPU and current CUDA device RNG states, and named generators.
+
+    The CUDA state is the current device's only: under DDP each rank owns one device, so
+    each rank captures its own (gather them if one rank writes). Only tensors, numbers and
+    containers, so ``load_checkpoint(weights_only=True)`` reads it.
+    """
+    numpy_state = np.random.get_state(legacy=False)
+    version, internal, gauss = random.getstate()
+    return {
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+    }
+
+
+def set_rng_state(
+    state: Mapping[str, Any], generators: Mapping[str, torch.Generator] | None = None
+) -> None:
+    """Restore what ``rng_state`` captured; each generator passed must be in ``state``."""
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["internal"]), python["gauss"]))
+    numpy = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": numpy["bit_generator"],
+            "state": {"key": numpy["key"].numpy().astype(np.uint32), "pos": numpy["pos"]},
+            "has_gauss": numpy["has_gauss"],
+            "gauss": numpy["gauss"],
+        }
+    )
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+        else:
+            warnings.warn(
+                "checkpoint holds a CUDA RNG state but CUDA is not available: "
+                "CUDA draws will not replay",
+                stacklevel=2,
+            )
+    for name, generator in (generators or {}).items():
+        if name not in state["generators"]:
+            raise KeyError(
+                f"no saved state for generator {name!r}; saved: {sorted(state['generators'])}"
+            )
+        generator.set_state(state["generators"][name])

@@ -1,0 +1,368 @@
+"""Training configuration: typed sections, YAML + ``key=value`` overrides, validated up front.
+
+Everything a run needs is checked here, before any model is loaded: unknown keys, wrong
+types and inconsistent batch arithmetic fail with one message that names the key and
+says how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before any heavy work starts."""
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # a StableDiffusion3Pipeline directory; None = build the tiny one
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto = cuda when available
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 32
+    alpha: int = 64
+    dropout: float = 0.0
+
+
+@dataclass
+class PromptSourceConfig:
+    name: str
+    file: str
+    weight: float = 1.0
+
+
+@dataclass
+class PromptsConfig:
+    directory: str | None = None  # None = the built-in miniature prompt list
+    sources: list[PromptSourceConfig] = field(default_factory=list)
+
+
+@dataclass
+class RolloutConfig:
+    resolution: int = 512
+    steps: int = 10
+    guidance_scale: float = 1.0
+    sampler: str = "euler"  # euler | dpm2 | sde
+    images_per_prompt: int = 24
+    prompts_per_epoch: int = 48
+    batch_size: int = 9  # images sampled at once per process
+    max_sequence_length: int = 256
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 100
+    batch_size: int = 9  # samples per process per micro-batch
+    gradient_accumulation: int = 1
+    timestep_fraction: float = 0.99
+    learning_rate: float = 3e-4
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 1e-4
+    grad_clip: float = 1.0
+    ema_decay: float = 0.9
+    # copy | linear | delayed_linear; MARBLE: linear capped at 0.95 (DiffusionNFT: 0.5)
+    old_schedule: str = "linear"
+    old_cap: float = 0.95
+
+
+@dataclass
+class NFTSettings:
+    beta: float = 0.1
+    a_max: float = 5.0
+    form: str = "x0_adaptive"  # x0_adaptive | velocity
+    kl_coefficient: float = 1e-4
+    advantage_std: str = "global"  # global | group
+
+
+@dataclass
+class RewardConfig:
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageConfig:
+    rewards: list[str]
+    epochs: int
+
+
+@dataclass
+class StrategyConfig:
+    # marble | weighted_sum | sequential | single | reward_dropout | pcgrad | <harmonizer name>
+    name: str = "marble"
+    weights: list[float] | None = None  # weighted_sum / reward_dropout; None = equal
+    reward: str | None = None  # single
+    stages: list[StageConfig] = field(default_factory=list)  # sequential
+    period: int = 10  # full solve every N optimizer steps (1 = every step)
+    warmup_steps: int = 0
+    rho: float = 0.7  # EMA of cached weights (0 = none)
+    normalize: bool = True  # MGDA normalize-and-rescale (False: plain MGDA ablation)
+    fixed_alpha: bool = False  # ablation: equal alpha, no solve
+    dropout_probability: float = 0.3
+    dropout_warmup_steps: int = 0
+    diagnostics_every: int = 0  # also measure per-reward cosines every N steps (0 = only on solves)
+    options: dict[str, Any] = field(default_factory=dict)  # extra harmonizer options
+
+
+@dataclass
+class RunConfig:
+    directory: str = "runs/default"
+    seed: int = 0
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    quiet: bool = False
+
+
+@dataclass
+class TrainingConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    nft: NFTSettings = field(default_factory=NFTSettings)
+    rewards: list[RewardConfig] = field(default_factory=list)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+STRATEGIES = ("marble", "weighted_sum", "sequential", "single", "reward_dropout", "pcgrad")
+SAMPLERS = ("euler", "dpm2", "sde")
+DTYPES = ("float32", "bfloat16", "float16")
+
+TINY_PRESET: dict[str, Any] = {
+    "model": {"path": None, "device": "cpu"},
+    "lora": {"rank": 4, "alpha": 8},
+    "rollout": {
+        "resolution": 64,
+        "steps": 4,
+        "images_per_prompt": 4,
+        "prompts_per_epoch": 2,
+        "batch_size": 8,
+        "max_sequence_length": 32,
+    },
+    "train": {"epochs": 3, "batch_size": 4, "timestep_fraction": 0.5, "learning_rate": 1e-3},
+    "rewards": [{"name": "color_match"}, {"name": "jpeg_incompressibility"}],
+    "strategy": {"name": "marble", "period": 2},
+    "run": {"directory": "runs/tiny", "checkpoint_every": 1},
+}
+PRESETS = {"tiny": TINY_PRESET}
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] = (),
+    preset: str | None = None,
+    world_size: int = 1,
+) -> TrainingConfig:
+    """Preset, then the YAML file, then ``a.b=value`` overrides; validated as a whole."""
+    raw: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raw = _merge(raw, PRESETS[preset])
+    if path is not None:
+        raw = _merge(raw, _read_yaml(Path(path)))
+    for override in overrides:
+        raw = _merge(raw, _parse_override(override))
+    config = _build(TrainingConfig, raw, "config")
+    validate(config, world_size)
+    return config
+
+
+def validate(config: TrainingConfig, world_size: int = 1) -> None:
+    """Semantic checks that types alone cannot express."""
+    rollout, train, strategy = config.rollout, config.train, config.strategy
+    _choice("model.dtype", config.model.dtype, DTYPES)
+    _choice("rollout.sampler", rollout.sampler, SAMPLERS)
+    _choice("nft.form", config.nft.form, ("x0_adaptive", "velocity"))
+    _choice("nft.advantage_std", config.nft.advantage_std, ("global", "group"))
+    _choice("train.old_schedule", train.old_schedule, ("copy", "linear", "delayed_linear"))
+    for key, value in [
+        ("rollout.resolution", rollout.resolution),
+        ("rollout.steps", rollout.steps),
+        ("rollout.images_per_prompt", rollout.images_per_prompt),
+        ("rollout.prompts_per_epoch", rollout.prompts_per_epoch),
+        ("rollout.batch_size", rollout.batch_size),
+        ("train.epochs", train.epochs),
+        ("train.batch_size", train.batch_size),
+        ("train.gradient_accumulation", train.gradient_accumulation),
+        ("strategy.period", strategy.period),
+        ("lora.rank", config.lora.rank),
+    ]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if rollout.resolution % 16:
+        raise ConfigError(f"rollout.resolution must be a multiple of 16, got {rollout.resolution}")
+    if not 0 < train.timestep_fraction <= 1:
+        raise ConfigError(
+            f"train.timestep_fraction must be in (0, 1], got {train.timestep_fraction}"
+        )
+    if config.nft.beta <= 0 or config.nft.a_max <= 0:
+        raise ConfigError("nft.beta and nft.a_max must be positive")
+    if not 0 <= strategy.rho < 1:
+        raise ConfigError(f"strategy.rho must be in [0, 1), got {strategy.rho}")
+    _check_batch_arithmetic(config, world_size)
+    _check_rewards_and_strategy(config)
+
+
+def _check_batch_arithmetic(config: TrainingConfig, world_size: int) -> None:
+    rollout, train = config.rollout, config.train
+    images = rollout.prompts_per_epoch * rollout.images_per_prompt
+    if rollout.prompts_per_epoch % world_size:
+        raise ConfigError(
+            f"rollout.prompts_per_epoch={rollout.prompts_per_epoch} must be divisible by the "
+            f"world size {world_size} so every process samples whole prompt groups"
+        )
+    per_process = images // world_size
+    if per_process % train.batch_size:
+        raise ConfigError(
+            f"each process gets {per_process} images per epoch (prompts_per_epoch x "
+            f"images_per_prompt / world size = {rollout.prompts_per_epoch} x "
+            f"{rollout.images_per_prompt} / {world_size}), which train.batch_size="
+            f"{train.batch_size} does not divide; change one of them"
+        )
+    micro_batches = per_process // train.batch_size
+    if micro_batches % train.gradient_accumulation:
+        raise ConfigError(
+            f"{micro_batches} micro-batches per epoch are not a multiple of "
+            f"train.gradient_accumulation={train.gradient_accumulation}"
+        )
+    if images < 2 * world_size or rollout.images_per_prompt < 2:
+        raise ConfigError("rollout.images_per_prompt must be >= 2: advantages compare a group")
+
+
+def _check_rewards_and_strategy(config: TrainingConfig) -> None:
+    from mogradient.harmonizers import HARMONIZERS
+
+    strategy = config.strategy
+    names = [reward.name for reward in config.rewards]
+    if not names:
+        raise ConfigError("no rewards configured: add at least one entry under `rewards:`")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"duplicate rewards in `rewards:`: {names}")
+    known = set(STRATEGIES) | set(HARMONIZERS)
+    if strategy.name not in known:
+        raise ConfigError(f"unknown strategy.name {strategy.name!r}; choose one of {sorted(known)}")
+    if strategy.weights is not None and len(strategy.weights) != len(names):
+        raise ConfigError(
+            f"strategy.weights has {len(strategy.weights)} entries for {len(names)} rewards {names}"
+        )
+    if strategy.name == "single" and strategy.reward not in names:
+        raise ConfigError(f"strategy 'single' needs strategy.reward set to one of {names}")
+    if strategy.name == "sequential":
+        if not strategy.stages:
+            raise ConfigError("strategy 'sequential' needs strategy.stages: [{rewards, epochs}]")
+        for stage in strategy.stages:
+            unknown = sorted(set(stage.rewards) - set(names))
+            if unknown:
+                raise ConfigError(f"sequential stage names unknown rewards {unknown}")
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping at the top level")
+    base = data.pop("base", None)
+    if base is not None:
+        data = _merge(_read_yaml(path.parent / base), data)
+    return data
+
+
+def _parse_override(text: str) -> dict[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    parsed = yaml.safe_load(value) if value else None
+    nested: dict[str, Any] = parsed
+    for part in reversed(key.split(".")):
+        nested = {part: nested}
+    return nested
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {item.name for item in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; known: {sorted(names)}")
+    values = {key: _convert(hints[key], value, f"{where}.{key}") for key, value in data.items()}
+    try:
+        return cls(**values)
+    except TypeError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [arg for arg in args if arg is not type(None)]
+        return _convert(options[0], value, where)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [_convert(args[0], item, f"{where}[{index}]") for index, item in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ConfigError(f"{where} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_convert(arg, item, where) for arg, item in zip(args, value, strict=True))
+    if origin is dict or hint is Any:
+        if origin is dict and not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (
+        not isinstance(value, hint) or (hint is int and isinstance(value, bool))
+    ):
+        raise ConfigError(f"{where} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value

@@ -1,0 +1,517 @@
+"""Stable Diffusion 3 with two LoRA adapters: the trained policy and the rollout policy.
+
+DiffusionNFT keeps three velocity fields on one frozen transformer: ``default`` (the
+LoRA being trained), ``old`` (the rollout policy, a lagged copy of ``default``) and the
+reference (the base model, adapters disabled). peft's ``set_adapter`` flips
+``requires_grad`` on the adapters it switches, so every switch goes through
+:meth:`Policy.use_adapter`, which puts ``default`` back, trainable, on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ADAPTERS = ("default", "old", "reference")
+LORA_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+)
+LORA_INITS = {"gaussian": "gaussian", "kaiming": True}
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA hyper-parameters; defaults are DiffusionNFT's (r=32, alpha=64, gaussian init).
+
+    Targets are bare module names, so they also match the second attention (``attn2``)
+    of SD3.5's dual-attention blocks, which the reference's ``attn.to_q``-style names miss.
+    """
+
+    rank: int = 32
+    alpha: float = 64.0
+    dropout: float = 0.0
+    init: str = "gaussian"
+    target_modules: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank must be a positive integer, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.init not in LORA_INITS:
+            raise ValueError(f"init must be one of {sorted(LORA_INITS)}, got {self.init!r}")
+        if not self.target_modules or not all(isinstance(t, str) for t in self.target_modules):
+            raise ValueError(
+                f"target_modules must be non-empty strings, got {self.target_modules!r}"
+            )
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    def peft_config(self):
+        """The equivalent ``peft.LoraConfig``."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            init_lora_weights=LORA_INITS[self.init],
+            target_modules=list(self.target_modules),
+        )
+
+
+@dataclass
+class PromptEmbeddings:
+    """SD3 text conditioning: token embeddings [B, L, D] and pooled embeddings [B, P]."""
+
+    prompt_embeds: torch.Tensor
+    pooled: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.prompt_embeds.ndim != 3 or self.pooled.ndim != 2:
+            raise ValueError(
+                "expected prompt_embeds [B, L, D] and pooled [B, P], got "
+                f"{tuple(self.prompt_embeds.shape)} and {tuple(self.pooled.shape)}"
+            )
+        if len(self.prompt_embeds) != len(self.pooled):
+            raise ValueError(
+                f"batch sizes differ: {len(self.prompt_embeds)} prompt rows, "
+                f"{len(self.pooled)} pooled rows"
+            )
+
+    def __len__(self) -> int:
+        return len(self.prompt_embeds)
+
+    def index(self, rows: torch.Tensor | slice | Sequence[int]) -> PromptEmbeddings:
+        """Select rows (a slice, an index list or tensor, or a boolean mask)."""
+        if not isinstance(rows, slice):
+            rows = torch.as_tensor(rows, device=self.prompt_embeds.device)
+        return PromptEmbeddings(self.prompt_embeds[rows], self.pooled[rows])
+
+    def repeat_interleave(self, n: int) -> PromptEmbeddings:
+        """Each row ``n`` times in a row: per-prompt embeddings to per-image embeddings."""
+        return PromptEmbeddings(
+            self.prompt_embeds.repeat_interleave(n, dim=0), self.pooled.repeat_interleave(n, dim=0)
+        )
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        """Move and/or cast both tensors."""
+        return PromptEmbeddings(
+            self.prompt_embeds.to(device=device, dtype=dtype),
+            self.pooled.to(device=device, dtype=dtype),
+        )
+
+    @staticmethod
+    def cat(parts: Sequence[PromptEmbeddings]) -> PromptEmbeddings:
+        """Stack along the batch (e.g. unconditional and conditional rows for CFG)."""
+        return PromptEmbeddings(
+            torch.cat([p.prompt_embeds for p in parts]), torch.cat([p.pooled for p in parts])
+        )
+
+
+class Policy:
+    """A ``StableDiffusion3Pipeline`` whose transformer has LoRA adapters ``default`` and ``old``.
+
+    Build with :meth:`load`. ``denoiser`` is the module called for velocity forwards; it
+    is ``transformer`` itself, and may be replaced by a DDP wrapper of it (built while
+    ``default`` is active) so that backward passes synchronise gradients.
+    """
+
+    def __init__(self, pipeline, lora: LoraSpec) -> None:
+        self.pipeline = pipeline
+        self.transformer = pipeline.transformer
+        self.denoiser: nn.Module = self.transformer
+        self.lora = lora
+        self._active = "default"
+        self._params = {name: self._collect_adapter_parameters(name) for name in ADAPTERS[:2]}
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        lora: LoraSpec = LoraSpec(),
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        gradient_checkpointing: bool = False,
+    ) -> Policy:
+        """Load a pipeline (local directory, or hub id unless ``HF_HUB_OFFLINE``), add adapters."""
+        pipeline = _load_pipeline(path, dtype).to(device)
+        pipeline.set_progress_bar_config(disable=True)
+        for component in pipeline.components.values():
+            if isinstance(component, nn.Module):
+                component.requires_grad_(False)
+                component.eval()
+        transformer = pipeline.transformer
+        if gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        with warnings.catch_warnings():  # peft warns that a second adapter is a second adapter
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            transformer.add_adapter(lora.peft_config(), adapter_name="default")
+            transformer.add_adapter(lora.peft_config(), adapter_name="old")
+        transformer.set_adapter("default")
+        policy = cls(pipeline, lora)
+        policy._upcast_lora()
+        policy.load_lora_state("old", policy.lora_state("default"))
+        return policy
+
+    def _upcast_lora(self) -> None:
+        """Keep LoRA weights in float32 under a half-precision base, so optimizer steps survive.
+
+        peft computes the LoRA branch in the weights' dtype and casts the sum back.
+        """
+        for params in self._params.values():
+            for parameter in params.values():
+                parameter.data = parameter.data.float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    # ----------------------------------------------------------------- adapters
+    @contextmanager
+    def use_adapter(self, adapter: str) -> Iterator[None]:
+        """Activate ``adapter`` for the block, then restore the previous one (normally ``default``).
+
+        Switching once around a whole rollout avoids a module walk per sampling step.
+        """
+        _check_adapter(adapter)
+        previous = self._active
+        self._activate(adapter)
+        try:
+            yield
+        finally:
+            self._activate(previous)
+
+    def _activate(self, adapter: str) -> None:
+        if adapter == self._active:
+            return
+        if adapter == "reference":
+            self.transformer.disable_adapters()
+        else:
+            if self._active == "reference":
+                self.transformer.enable_adapters()
+            self.transformer.set_adapter(adapter)
+        self._active = adapter
+
+    def _collect_adapter_parameters(self, adapter: str) -> dict[str, nn.Parameter]:
+        """LoRA parameters of one adapter in module order, keyed by adapter-free names."""
+        found = {}
+        for name, parameter in self.transformer.named_parameters():
+            parts = name.split(".")
+            for i in range(1, len(parts)):
+                if parts[i] == adapter and parts[i - 1].startswith("lora_"):
+                    found[".".join(parts[:i] + parts[i + 1 :])] = parameter
+                    break
+        if not found:
+            raise RuntimeError(f"no LoRA parameters found for adapter {adapter!r}")
+        return found
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The ``default`` adapter's LoRA parameters, in module order (stable across runs)."""
+        return list(self._params["default"].values())
+
+    @torch.no_grad()
+    def update_old(self, decay: float) -> None:
+        """old <- decay * old + (1 - decay) * default, in place; ``decay=0`` copies."""
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"decay must be in [0, 1], got {decay!r}")
+        for name, old in self._params["old"].items():
+            old.mul_(decay).add_(self._params["default"][name], alpha=1.0 - decay)
+
+    def lora_state(self, adapter: str = "default") -> dict[str, torch.Tensor]:
+        """Detached copies of an adapter's LoRA weights, keyed without the adapter name."""
+        return {k: p.detach().clone() for k, p in self._trained(adapter).items()}
+
+    @torch.no_grad()
+    def load_lora_state(self, adapter: str, state: dict[str, torch.Tensor]) -> None:
+        """Copy ``state`` (from :meth:`lora_state` of either adapter) into ``adapter``."""
+        params = self._trained(adapter)
+        missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
+        if missing or unexpected:
+            raise KeyError(
+                f"LoRA state does not match adapter {adapter!r}: missing {sorted(missing)[:3]}"
+                f" ({len(missing)}), unexpected {sorted(unexpected)[:3]} ({len(unexpected)})"
+            )
+        for name, parameter in params.items():
+            parameter.copy_(state[name])
+
+    def save_lora(self, directory: str | os.PathLike, adapter: str = "default") -> Path:
+        """Write ``adapter`` in the diffusers LoRA format (``pipeline.load_lora_weights`` reads it).
+
+        The LoRA config goes into the safetensors metadata so loaders keep alpha != rank.
+        """
+        from diffusers import StableDiffusion3Pipeline
+        from peft.utils import get_peft_model_state_dict
+
+        self._trained(adapter)
+        layers = get_peft_model_state_dict(self.transformer, adapter_name=adapter)
+        metadata = self.transformer.peft_config[adapter].to_dict()
+        StableDiffusion3Pipeline.save_lora_weights(
+            directory,
+            transformer_lora_layers={k: v.detach().cpu().contiguous() for k, v in layers.items()},
+            transformer_lora_adapter_metadata=metadata,
+        )
+        return Path(directory)
+
+    def _trained(self, adapter: str) -> dict[str, nn.Parameter]:
+        if adapter not in self._params:
+            raise ValueError(f"adapter must be 'default' or 'old', got {adapter!r}")
+        return self._params[adapter]
+
+    # ----------------------------------------------------------------- model calls
+    @torch.no_grad()
+    def encode_prompts(
+        self, prompts: list[str], max_sequence_length: int = 256
+    ) -> PromptEmbeddings:
+        """Text conditioning for ``prompts`` (CLIP-L, CLIP-G and T5), without CFG rows."""
+        if isinstance(prompts, str) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings")
+        embeds, _, pooled, _ = self.pipeline.encode_prompt(
+            prompt=list(prompts),
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=max_sequence_length,
+        )
+        return PromptEmbeddings(embeds, pooled).to(dtype=self.dtype)
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor | float,
+        embeds: PromptEmbeddings,
+        adapter: str = "default",
+    ) -> torch.Tensor:
+        """Predicted flow velocity (noise - x0) at noise levels ``sigmas`` (shape [B] or scalar).
+
+        ``default`` runs with autograd; ``old`` and ``reference`` run under no_grad. The
+        adapter that was active before the call (``default`` normally) is active after it.
+        """
+        _check_adapter(adapter)
+        sigmas = torch.as_tensor(sigmas, device=latents.device, dtype=torch.float32)
+        if sigmas.ndim == 0:
+            sigmas = sigmas.expand(len(latents))
+        if sigmas.shape != (len(latents),) or len(embeds) != len(latents):
+            raise ValueError(
+                f"batch mismatch: latents {len(latents)}, sigmas {tuple(sigmas.shape)}, "
+                f"embeds {len(embeds)}"
+            )
+        with (
+            self.use_adapter(adapter),
+            torch.set_grad_enabled(adapter == "default" and torch.is_grad_enabled()),
+        ):
+            return self.denoiser(
+                hidden_states=latents,
+                encoder_hidden_states=embeds.prompt_embeds,
+                pooled_projections=embeds.pooled,
+                timestep=sigmas * NUM_TRAIN_TIMESTEPS,
+                return_dict=False,
+            )[0]
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
+        """Images [B, 3, H, W] in [0, 1] from clean latents (VAE scaling and shift undone)."""
+        vae = self.pipeline.vae
+        scaled = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        chunks = scaled.split(batch_size or len(scaled))
+        images = [vae.decode(c.to(vae.dtype), return_dict=False)[0] for c in chunks]
+        return (torch.cat(images).float() / 2 + 0.5).clamp(0, 1)
+
+    def latent_shape(self, resolution: int) -> tuple[int, int, int]:
+        """(channels, height, width) of the latents for a square image of ``resolution`` px."""
+        factor = self.pipeline.vae_scale_factor * self.transformer.config.patch_size
+        if resolution <= 0 or resolution % factor:
+            raise ValueError(
+                f"resolution must be a positive multiple of {factor}, got {resolution}"
+            )
+        size = resolution // self.pipeline.vae_scale_factor
+        return (self.transformer.config.in_channels, size, size)
+
+
+# schedule -> (flat steps, rate per step, default cap), as in the official DiffusionNFT code.
+OLD_DECAY_SCHEDULES = {
+    "copy": (0, 0.0, 0.0),
+    "linear": (0, 0.001, 0.5),
+    "delayed_linear": (75, 0.0075, 0.999),
+}
+
+
+def old_decay(schedule: str, step: int, cap: float | None = None) -> float:
+    """Decay for ``Policy.update_old`` after ``step`` optimizer steps (the reference's global step).
+
+    ``copy``: 0 (old = default). ``linear``: step * 0.001, capped at 0.5 (MARBLE's recipe
+    raises the cap to 0.95). ``delayed_linear``: 0 for 75 steps, then (step - 75) * 0.0075,
+    capped at 0.999. ``cap`` overrides the schedule's cap.
+    """
+    if schedule not in OLD_DECAY_SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(OLD_DECAY_SCHEDULES)}, got {schedule!r}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    flat, rate, default_cap = OLD_DECAY_SCHEDULES[schedule]
+    cap = default_cap if cap is None else cap
+    if not 0.0 <= cap < 1.0:
+        raise ValueError(f"cap must be in [0, 1), got {cap!r}")
+    if step < flat:
+        return 0.0
+    return min((step - flat) * rate, cap)
+
+
+class ParameterEMA:
+    """EMA of trained parameters for evaluation, with the reference's warm-up.
+
+    Each :meth:`update` (one per optimizer step) uses decay min(decay, (1 + n) / (10 + n)),
+    n = updates so far including this one, as the reference calls it with the already
+    incremented global step; so early averages follow the weights closely.
+    """
+
+    def __init__(self, parameters: Sequence[nn.Parameter], decay: float = 0.9) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        self.parameters = list(parameters)
+        self.decay = float(decay)
+        self.num_updates = 0
+        self.shadow = [p.detach().clone() for p in self.parameters]
+
+    def decay_at(self, num_updates: int) -> float:
+        """Effective decay of the ``num_updates``-th update."""
+        return min(self.decay, (1 + num_updates) / (10 + num_updates))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """shadow <- d * shadow + (1 - d) * parameter, after an optimizer step."""
+        self.num_updates += 1
+        weight = 1.0 - self.decay_at(self.num_updates)
+        for shadow, parameter in zip(self.shadow, self.parameters, strict=True):
+            shadow.lerp_(parameter.detach(), weight)
+
+    @contextmanager
+    def swap_in(self) -> Iterator[None]:
+        """Evaluate with the EMA weights inside the block; the trained weights come back after."""
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in self.parameters]
+            for parameter, shadow in zip(self.parameters, self.shadow, strict=True):
+                parameter.copy_(shadow)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for parameter, value in zip(self.parameters, saved, strict=True):
+                    parameter.copy_(value)
+
+    def state_dict(self) -> dict:
+        return {
+            "decay": self.decay,
+            "num_updates": self.num_updates,
+            "shadow": [s.clone() for s in self.shadow],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore decay, update count and averages (shapes must match the tracked parameters)."""
+        if len(state["shadow"]) != len(self.shadow):
+            raise ValueError(
+                f"EMA state has {len(state['shadow'])} tensors, expected {len(self.shadow)}"
+            )
+        for shadow, value in zip(self.shadow, state["shadow"], strict=True):
+            shadow.copy_(value)
+        self.decay = float(state["decay"])
+        self.num_updates = int(state["num_updates"])
+
+
+def _check_adapter(adapter: str) -> None:
+    if adapter not in ADAPTERS:
+        raise ValueError(f"adapter must be one of {ADAPTERS}, got {adapter!r}")
+
+
+def _load_pipeline(path: str | os.PathLike, dtype: torch.dtype):
+    """``from_pretrained`` with one clear error when ``path`` is not a usable pipeline."""
+    from diffusers import StableDiffusion3Pipeline
+
+    local = _is_local(path)
+    if local:
+        path = Path(path).expanduser()
+        _check_pipeline_dir(path)
+    try:
+        with warnings.catch_warnings():  # newer diffusers renamed torch_dtype to dtype
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+            return StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=dtype)
+    except (OSError, ValueError) as error:
+        if local:
+            raise
+        from huggingface_hub import constants
+
+        offline = " (HF_HUB_OFFLINE is set: only the local cache was tried)"
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a local directory and could not be loaded as a hub model"
+            f"{offline if constants.HF_HUB_OFFLINE else ''}: {error}"
+        ) from error
+
+
+def _is_local(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a filesystem location rather than an ``owner/name`` hub id."""
+    text = str(path)
+    return (
+        Path(text).expanduser().exists()
+        or os.path.isabs(text)
+        or text.startswith((".", "~"))
+        or text.count("/") != 1
+    )
+
+
+def _check_pipeline_dir(path: Path) -> None:
+    """Raise FileNotFoundError naming everything a ``save_pretrained`` layout lacks."""
+    index = path / "model_index.json"
+    if not path.is_dir():
+        raise FileNotFoundError(f"pipeline directory {str(path)!r} does not exist")
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a diffusers pipeline directory: missing model_index.json"
+        )
+    components = json.loads(index.read_text())
+    missing = [
+        f"{name}/"
+        for name, entry in components.items()
+        if not name.startswith("_")
+        and isinstance(entry, list)
+        and entry[0] is not None
+        and not (path / name).is_dir()
+    ]
+    if missing:
+        raise FileNotFoundError(
+            f"pipeline directory {str(path)!r} is incomplete: missing {', '.join(missing)}"
+        )
+
+
+__all__ = [
+    "ADAPTERS",
+    "LORA_TARGETS",
+    "OLD_DECAY_SCHEDULES",
+    "LoraSpec",
+    "ParameterEMA",
+    "Policy",
+    "PromptEmbeddings",
+    "old_decay",
+]

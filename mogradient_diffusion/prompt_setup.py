@@ -1,0 +1,57 @@
+"""The prompt stream a run trains on: the user's prompt files, or a built-in miniature set.
+
+The built-in set mirrors the paper's mixed sources (general scenes, quoted text,
+compositional colour prompts) in the tiny vocabulary, so the ``tiny`` preset trains on
+the same kind of mixture as the real recipe without any download.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mogradient_diffusion.config import ConfigError, PromptsConfig
+from mogradient_diffusion.prompts import PromptSource, StratifiedPromptSampler, load_prompt_file
+
+BUILT_IN_SOURCES = (
+    PromptSource(
+        "general",
+        (
+            "a photo of a cat in a room",
+            "a painting of a boat on the sea",
+            "a house next to a tree",
+            "a bright city street",
+        ),
+    ),
+    PromptSource(
+        "text",
+        (
+            'a sign saying "open"',
+            'a book with the word "love"',
+            'a cafe sign that reads "hello"',
+            'a picture of the text "stop"',
+        ),
+    ),
+    PromptSource(
+        "compositional",
+        (
+            "a red ball next to a blue cup",
+            "two green apples on a table",
+            "a yellow star above a purple heart",
+            "a black dog and a white cat",
+        ),
+    ),
+)
+
+
+def build_prompt_sampler(config: PromptsConfig, seed: int) -> StratifiedPromptSampler:
+    """A stratified sampler over the configured sources (or the built-in set)."""
+    if config.directory is None:
+        return StratifiedPromptSampler(list(BUILT_IN_SOURCES), seed=seed)
+    if not config.sources:
+        raise ConfigError(
+            "prompts.directory is set but prompts.sources is empty: list {name, file, weight}"
+        )
+    directory = Path(config.directory)
+    sources = [load_prompt_file(directory / source.file, source.name) for source in config.sources]
+    weights = [source.weight for source in config.sources]
+    return StratifiedPromptSampler(sources, weights=weights, seed=seed)

@@ -1,0 +1,40 @@
+"""Rewards: a validated interface, a registry by name, and the rewards that run offline.
+
+Importing the package registers the built-in rewards (``ocr``, ``jpeg_compressibility``,
+``jpeg_incompressibility``, ``color_match``, ``count_match``); model-based rewards
+register themselves the same way with ``@register_reward``.
+"""
+
+from .base import Reward, RewardError, to_uint8_images
+from .color import ColorMatch, classify_pixels, colors_in_prompt
+from .count import CountMatch, count_in_prompt, count_objects
+from .jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kilobytes
+from .ocr import OcrReward, levenshtein, normalize_text, quoted_text, text_match_score
+from .registry import REWARDS, make_reward, make_reward_set, register_reward
+from .reward_set import RewardScores, RewardSet
+
+__all__ = [
+    "REWARDS",
+    "ColorMatch",
+    "CountMatch",
+    "JpegCompressibility",
+    "JpegIncompressibility",
+    "OcrReward",
+    "Reward",
+    "RewardError",
+    "RewardScores",
+    "RewardSet",
+    "classify_pixels",
+    "colors_in_prompt",
+    "count_in_prompt",
+    "count_objects",
+    "jpeg_kilobytes",
+    "levenshtein",
+    "make_reward",
+    "make_reward_set",
+    "normalize_text",
+    "quoted_text",
+    "register_reward",
+    "text_match_score",
+    "to_uint8_images",
+]

@@ -1,0 +1,68 @@
+"""Run directory logging: per-step metrics as JSONL (for people and scripts) and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class RunLog:
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+
+    Only rank 0 should hold one; resumed runs append, and records at or after the resume
+    step are dropped first so a crash between a log line and its checkpoint never
+    duplicates a step.
+    """
+
+    def __init__(self, run_dir: Path, resume_from_step: int = 0) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_from(resume_from_step)
+        self._writer = SummaryWriter(
+            log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_from_step or None
+        )
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        record = {"step": step, **record}
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(_jsonable(record)) + "\n")
+        for key, value in record.items():
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            if numeric and math.isfinite(value) and key != "step":
+                self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def _truncate_from(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] < step
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The per-step records of a run, in order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):
+        return _jsonable(value.item())
+    return value

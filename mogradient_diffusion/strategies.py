@@ -1,0 +1,139 @@
+"""Multi-reward training strategies, all sharing one loop.
+
+A strategy decides two things: which objectives the rewards become (``K`` per-reward
+objectives for MARBLE and gradient harmonizers; one scalar objective for the
+weighted-sum, single-reward and sequential baselines) and, per optimizer step, the
+weights on those objectives (from per-objective gradients on full-solve steps, from the
+cache otherwise). Weight-only methods (fixed weights, reward dropout) never need
+per-objective gradients: they are solved on an identity Gram.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mogradient import MGDA, PCGrad, RewardDropout, make_harmonizer
+from mogradient.amortize import AmortizedStep, Amortizer
+from mogradient.harmonizers import FixedWeights, Harmonizer, Mean, RandomWeights
+from mogradient_diffusion.advantages import weighted_reward
+from mogradient_diffusion.config import StrategyConfig
+
+_GRADIENT_FREE = (FixedWeights, Mean, RandomWeights)
+
+
+@dataclass
+class Strategy:
+    """Objectives from rewards, and an amortized harmonizer over those objectives."""
+
+    name: str
+    reward_names: list[str]
+    amortizer: Amortizer
+    scalar_weights: torch.Tensor | None = None  # scalar strategies: reward weights per column
+    stages: list[tuple[list[int], int]] | None = None  # sequential: (reward indices, epochs)
+
+    @property
+    def gradient_free(self) -> bool:
+        harmonizer = self.amortizer.harmonizer
+        if isinstance(harmonizer, RewardDropout):
+            harmonizer = harmonizer.inner
+        return isinstance(harmonizer, _GRADIENT_FREE)
+
+    def objective_names(self, epoch: int) -> list[str]:
+        if self.scalar_weights is None:
+            return list(self.reward_names)
+        active = self._scalar_weights(epoch)
+        parts = [name for name, weight in zip(self.reward_names, active, strict=True) if weight]
+        return ["+".join(parts)]
+
+    def objective_rewards(self, rewards: torch.Tensor, epoch: int) -> torch.Tensor:
+        """The B x K' matrix whose columns get one advantage estimator each."""
+        if self.scalar_weights is None:
+            return rewards
+        return weighted_reward(rewards, self._scalar_weights(epoch))[:, None]
+
+    def needs_gradients(self) -> bool:
+        """Whether the coming optimizer step must compute per-objective gradients."""
+        return not self.gradient_free and self.amortizer.needs_full_solve()
+
+    def weights(self, jacobian: torch.Tensor | None, count: int) -> AmortizedStep:
+        """Weights for this optimizer step: a full solve on ``jacobian``, else the cache."""
+        if jacobian is not None:
+            return self.amortizer.full_step(jacobian)
+        if self.gradient_free:
+            return self.amortizer.full_step(gram=torch.eye(count, dtype=torch.float64))
+        return self.amortizer.cached_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"amortizer": self.amortizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.amortizer.load_state_dict(state["amortizer"])
+
+    def _scalar_weights(self, epoch: int) -> torch.Tensor:
+        if self.stages is None:
+            return self.scalar_weights
+        weights = torch.zeros(len(self.reward_names), dtype=torch.float64)
+        weights[self._stage_rewards(epoch)] = 1.0
+        return weights
+
+    def _stage_rewards(self, epoch: int) -> list[int]:
+        """Reward indices of the stage ``epoch`` falls in (the last stage runs on after the end)."""
+        end = 0
+        for indices, epochs in self.stages:
+            end += epochs
+            if epoch < end:
+                return indices
+        return self.stages[-1][0]
+
+
+def build_strategy(config: StrategyConfig, reward_names: list[str]) -> Strategy:
+    """The strategy a config names, with MARBLE's defaults where it applies."""
+    count = len(reward_names)
+    name = config.name
+    if name == "marble":
+        alpha_floor = 1.0 / count if config.fixed_alpha else 0.0
+        harmonizer: Harmonizer = MGDA(normalize=config.normalize, alpha_floor=alpha_floor)
+        return Strategy(name, reward_names, _amortizer(harmonizer, config))
+    if name in ("weighted_sum", "single", "sequential"):
+        return _scalar_strategy(config, reward_names)
+    if name == "reward_dropout":
+        inner = FixedWeights(config.weights)
+        harmonizer = RewardDropout(
+            inner, config.dropout_probability, warmup_steps=config.dropout_warmup_steps
+        )
+        return Strategy(name, reward_names, Amortizer(harmonizer, period=1, rho=0.0))
+    harmonizer = PCGrad() if name == "pcgrad" else make_harmonizer(name, **config.options)
+    # Other harmonizers solve every step without smoothing unless the config says otherwise.
+    return Strategy(name, reward_names, _amortizer(harmonizer, config, default_every_step=True))
+
+
+def _scalar_strategy(config: StrategyConfig, reward_names: list[str]) -> Strategy:
+    count = len(reward_names)
+    stages = None
+    if config.name == "weighted_sum":
+        weights = torch.ones(count) if config.weights is None else torch.tensor(config.weights)
+    elif config.name == "single":
+        weights = torch.zeros(count)
+        weights[reward_names.index(config.reward)] = 1.0
+    else:
+        weights = torch.ones(count)
+        stages = [
+            ([reward_names.index(reward) for reward in stage.rewards], stage.epochs)
+            for stage in config.stages
+        ]
+    amortizer = Amortizer(FixedWeights([1.0]), period=1, rho=0.0)
+    return Strategy(config.name, reward_names, amortizer, weights.to(torch.float64), stages)
+
+
+def _amortizer(
+    harmonizer: Harmonizer, config: StrategyConfig, default_every_step: bool = False
+) -> Amortizer:
+    explicit = config.period != StrategyConfig.period or config.rho != StrategyConfig.rho
+    if default_every_step and not explicit:
+        return Amortizer(harmonizer, period=1, warmup_steps=config.warmup_steps, rho=0.0)
+    return Amortizer(
+        harmonizer, period=config.period, warmup_steps=config.warmup_steps, rho=config.rho
+    )

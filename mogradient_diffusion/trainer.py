@@ -1,0 +1,439 @@
+"""The training loop, one arrow per function:
+
+rollout -> rewards -> advantages -> per-objective gradients or cached weights -> step
+-> old-adapter update -> log / checkpoint.
+
+Randomness is drawn from generators seeded by (seed, rank, epoch, purpose), so a run
+resumed from a checkpoint replays the remaining epochs exactly. Under ``torchrun`` the
+gradients are averaged with explicit collectives (peft's adapter switching flips
+``requires_grad``, which DistributedDataParallel does not allow): the K x D stack on
+full-solve steps, ``.grad`` otherwise; weights are solved in float64 on identical data
+and broadcast from rank 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mogradient import combinable_gradients, conflict_diagnostics
+from mogradient.harmonizers.base import combine
+from mogradient.objectives import CombinableLoss
+from mogradient_diffusion.advantages import group_advantages
+from mogradient_diffusion.checkpoint import (
+    keep_last,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from mogradient_diffusion.config import TrainingConfig
+from mogradient_diffusion.distributed import World
+from mogradient_diffusion.nft import NFTConfig, nft_loss
+from mogradient_diffusion.policy import LoraSpec, ParameterEMA, Policy, old_decay
+from mogradient_diffusion.prompt_setup import build_prompt_sampler
+from mogradient_diffusion.prompts import SampledPrompt
+from mogradient_diffusion.rewards import RewardSet, make_reward
+from mogradient_diffusion.rollout import RolloutBatch, rollout
+from mogradient_diffusion.runlog import RunLog
+from mogradient_diffusion.strategies import Strategy, build_strategy
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class MicroBatch:
+    """What one forward pass of the NFT loss needs, cut from the rollout batch."""
+
+    latents: torch.Tensor
+    embeds: Any
+    advantages: torch.Tensor
+    sigma_order: torch.Tensor  # [rows, timesteps]: indices into the sampler's sigmas
+
+
+class Trainer:
+    """Owns the policy, rewards, strategy and optimizer of one run."""
+
+    def __init__(self, config: TrainingConfig, world: World) -> None:
+        self.config = config
+        self.world = world
+        self.run_dir = Path(config.run.directory)
+        model_path = self._model_path()
+        torch.manual_seed(config.run.seed)  # same LoRA init everywhere, whatever ran before
+        self.policy = Policy.load(
+            model_path,
+            LoraSpec(rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout),
+            device=world.device,
+            dtype=DTYPES[config.model.dtype],
+            gradient_checkpointing=config.model.gradient_checkpointing,
+        )
+        self.parameters = self.policy.trainable_parameters()
+        self._synchronize_adapters()
+        self.rewards = RewardSet([make_reward(r.name, **r.options) for r in config.rewards])
+        self.reward_names = [r.name for r in config.rewards]
+        self.strategy: Strategy = build_strategy(config.strategy, self.reward_names)
+        self.sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
+        train = config.train
+        self.optimizer = torch.optim.AdamW(
+            self.parameters,
+            lr=train.learning_rate,
+            betas=train.adam_betas,
+            weight_decay=train.weight_decay,
+        )
+        self.ema = ParameterEMA(self.parameters, decay=train.ema_decay)
+        self.rewards.to(world.device)
+        self.nft = NFTConfig(
+            beta=config.nft.beta,
+            a_max=config.nft.a_max,
+            form=config.nft.form,
+            kl_coefficient=config.nft.kl_coefficient,
+        )
+        self.epoch = 0
+        self.optimizer_step = 0
+
+    # ----------------------------------------------------------------- run
+    def run(self) -> Path:
+        """Train from the latest checkpoint (if any) to the configured number of epochs."""
+        self._resume()
+        log = RunLog(self.run_dir, resume_from_step=self.epoch) if self.world.is_main else None
+        try:
+            while self.epoch < self.config.train.epochs:
+                record = self.train_epoch()
+                if log is not None:
+                    log.log(self.epoch, record)
+                self.epoch += 1
+                if self.epoch % self.config.run.checkpoint_every == 0:
+                    self._checkpoint()
+            if self.world.is_main:
+                self._export_lora()
+        finally:
+            if log is not None:
+                log.close()
+        return self.run_dir
+
+    def train_epoch(self) -> dict[str, Any]:
+        """One epoch: sample, score, estimate advantages, train, update the old adapter."""
+        times: dict[str, float] = {}
+        started = time.perf_counter()
+        drawn = self._epoch_prompts()
+        batch = rollout(
+            self.policy,
+            [item.prompt for item in drawn],
+            images_per_prompt=self.config.rollout.images_per_prompt,
+            steps=self.config.rollout.steps,
+            guidance_scale=self.config.rollout.guidance_scale,
+            sampler=self.config.rollout.sampler,
+            resolution=self.config.rollout.resolution,
+            generator=self._generator("rollout"),
+            adapter="old",
+            batch_size=self.config.rollout.batch_size,
+            max_sequence_length=self.config.rollout.max_sequence_length,
+            progress=self.world.is_main and not self.config.run.quiet,
+        )
+        times["time/rollout"] = time.perf_counter() - started
+        started = time.perf_counter()
+        per_image = self.config.rollout.images_per_prompt
+        metadata = [item.metadata for item in drawn for _ in range(per_image)]
+        rewards, reward_seconds = self.rewards(batch.images, batch.prompts, metadata)
+        times["time/reward"] = time.perf_counter() - started
+        advantages, stats = self._advantages(rewards, batch)
+        started = time.perf_counter()
+        step_records = self._train_on(batch, advantages)
+        times["time/train"] = (
+            time.perf_counter() - started - sum(r["time/harmonize"] for r in step_records)
+        )
+        times["time/harmonize"] = sum(r["time/harmonize"] for r in step_records)
+        # The reference schedules count optimizer steps, not epochs.
+        decay = old_decay(
+            self.config.train.old_schedule, self.optimizer_step, self.config.train.old_cap
+        )
+        self.policy.update_old(decay)
+        return self._epoch_record(rewards, stats, step_records, times, reward_seconds, decay)
+
+    # ---------------------------------------------------------- advantages
+    def _advantages(
+        self, rewards: torch.Tensor, batch: RolloutBatch
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Advantages from the whole (all-rank) batch, returned for this rank's rows."""
+        all_rewards = self.world.all_gather_rows(rewards.to(self.world.device)).cpu()
+        groups_per_rank = self.config.rollout.prompts_per_epoch // self.world.size
+        all_groups = self.world.all_gather_rows(
+            (batch.group_ids + self.world.rank * groups_per_rank).to(self.world.device)
+        ).cpu()
+        objective_rewards = self.strategy.objective_rewards(all_rewards, self.epoch)
+        advantages, stats = group_advantages(
+            objective_rewards,
+            all_groups,
+            std=self.config.nft.advantage_std,
+            clip=self.config.nft.a_max,
+        )
+        advantages, silent = mask_silent_objectives(advantages)
+        rows = len(rewards)
+        local = advantages[self.world.rank * rows : (self.world.rank + 1) * rows]
+        return local, {"all_rewards": all_rewards, "silent": silent, **stats}
+
+    # ------------------------------------------------------------ training
+    def _train_on(self, batch: RolloutBatch, advantages: torch.Tensor) -> list[dict[str, Any]]:
+        """All optimizer steps of one epoch."""
+        train = self.config.train
+        generator = self._generator("train")
+        order = torch.randperm(len(batch.latents), generator=generator)
+        micro = [order[i : i + train.batch_size] for i in range(0, len(order), train.batch_size)]
+        records = []
+        for first in range(0, len(micro), train.gradient_accumulation):
+            group = [
+                self._micro_batch(batch, advantages, rows, generator)
+                for rows in micro[first : first + train.gradient_accumulation]
+            ]
+            records.append(self.optimizer_step_on(group, generator))
+        return records
+
+    def optimizer_step_on(
+        self, group: list[MicroBatch], generator: torch.Generator
+    ) -> dict[str, Any]:
+        """Accumulate one optimizer step's gradients, harmonize, clip and step."""
+        count = group[0].advantages.shape[1]
+        full = self.strategy.needs_gradients()
+        cached = None if full else self.strategy.weights(None, count)
+        jacobian = accumulate_gradients(
+            self._loss_stream(group, generator),
+            self.parameters,
+            None if full else cached.weights,
+            count,
+        )
+        harmonize_started = time.perf_counter()
+        self.world.average_gradients(self.parameters)
+        record: dict[str, Any] = {}
+        if full:
+            jacobian = self.world.average(jacobian)
+            step = self.strategy.weights(jacobian, count)
+            weights = self.world.broadcast(step.weights)
+            add_to_gradients(self.parameters, combine(jacobian, weights))
+            diagnostics = conflict_diagnostics(
+                weights,
+                jacobian=jacobian,
+                dropped=step.harmonization.dropped if step.harmonization else (),
+                fallback=step.fallback,
+            )
+            record.update(
+                {f"harmonize/{k}": v for k, v in diagnostics.items() if not isinstance(v, list)}
+            )
+        else:
+            step = cached
+            weights = step.weights
+        record["time/harmonize"] = time.perf_counter() - harmonize_started
+        record["solved"] = int(full)
+        record["fallback"] = step.fallback
+        record["weights"] = [float(w) for w in weights]
+        record["grad_norm"] = float(
+            torch.nn.utils.clip_grad_norm_(self.parameters, self.config.train.grad_clip)
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ema.update()
+        self.optimizer_step += 1
+        return record
+
+    def _loss_stream(self, group: list[MicroBatch], generator: torch.Generator):
+        """Yield (scale, CombinableLoss) for every micro-batch x training timestep."""
+        sigmas = self._sigmas()
+        passes = sum(micro.sigma_order.shape[1] for micro in group)
+        for micro in group:
+            for column in range(micro.sigma_order.shape[1]):
+                sigma = sigmas[micro.sigma_order[:, column]].to(micro.latents)
+                noise = torch.randn(micro.latents.shape, generator=generator).to(micro.latents)
+                shaped = sigma.view(-1, *([1] * (micro.latents.ndim - 1)))
+                noisy = (1 - shaped) * micro.latents + shaped * noise
+                yield 1.0 / passes, self._nft_loss(micro, noisy, sigma)
+
+    def _nft_loss(
+        self, micro: MicroBatch, noisy: torch.Tensor, sigma: torch.Tensor
+    ) -> CombinableLoss:
+        v_old = self.policy.velocity(noisy, sigma, micro.embeds, adapter="old")
+        v_reference = None
+        if self.nft.kl_coefficient > 0:
+            v_reference = self.policy.velocity(noisy, sigma, micro.embeds, adapter="reference")
+        v_theta = self.policy.velocity(noisy, sigma, micro.embeds, adapter="default")
+        return nft_loss(
+            v_theta,
+            v_old,
+            noisy,
+            micro.latents,
+            sigma,
+            micro.advantages,
+            self.nft,
+            v_reference=v_reference,
+        )
+
+    def _micro_batch(
+        self,
+        batch: RolloutBatch,
+        advantages: torch.Tensor,
+        rows: torch.Tensor,
+        generator: torch.Generator,
+    ) -> MicroBatch:
+        steps = self.config.rollout.steps
+        count = max(1, round(self.config.train.timestep_fraction * steps))
+        order = torch.stack([torch.randperm(steps, generator=generator)[:count] for _ in rows])
+        return MicroBatch(
+            latents=batch.latents[rows].to(self.world.device),
+            embeds=batch.embeds.index(rows),
+            advantages=advantages[rows],
+            sigma_order=order,
+        )
+
+    def _sigmas(self) -> torch.Tensor:
+        from mogradient_diffusion.rollout import sampler_sigmas
+
+        return sampler_sigmas(self.config.rollout.steps)[:-1]
+
+    # ------------------------------------------------------------- helpers
+    def _epoch_prompts(self) -> list[SampledPrompt]:
+        """This rank's share of the epoch's prompts (every rank draws the same list)."""
+        drawn = self.sampler.sample(self.config.rollout.prompts_per_epoch)
+        per_rank = len(drawn) // self.world.size
+        return drawn[self.world.rank * per_rank : (self.world.rank + 1) * per_rank]
+
+    def _generator(self, purpose: str) -> torch.Generator:
+        code = {"rollout": 1, "train": 2}[purpose]
+        seed = (
+            (self.config.run.seed * 1_000_003 + self.world.rank) * 10_007 + self.epoch
+        ) * 7 + code
+        return torch.Generator().manual_seed(seed)
+
+    def _model_path(self) -> Path:
+        if self.config.model.path is not None:
+            return Path(self.config.model.path)
+        from mogradient_diffusion.tiny import save_tiny_pipeline
+
+        path = self.run_dir / "tiny_model"
+        if self.world.is_main and not (path / "model_index.json").exists():
+            save_tiny_pipeline(path)
+        self.world.barrier()
+        return path
+
+    def _epoch_record(self, rewards, stats, step_records, times, reward_seconds, decay):
+        record: dict[str, Any] = dict(times)
+        all_rewards = stats.pop("all_rewards")
+        silent = stats.pop("silent")
+        for index, name in enumerate(self.reward_names):
+            column = all_rewards[:, index]
+            valid = column[~torch.isnan(column)]
+            record[f"reward/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
+            record[f"reward/{name}/std"] = float(valid.std()) if len(valid) > 1 else float("nan")
+            record[f"time/reward/{name}"] = float(reward_seconds.get(name, float("nan")))
+        objectives = self.strategy.objective_names(self.epoch)
+        for key, values in stats.items():
+            for name, value in zip(objectives, values.tolist(), strict=True):
+                record[f"advantage/{name}/{key}"] = value
+        record["old_decay"] = decay
+        record["optimizer_steps"] = step_records
+        record["objectives"] = objectives
+        if self.world.size > 1:
+            record["ddp/parameter_divergence"] = self.world.divergence(self.parameters)
+        record["objectives_without_signal"] = [
+            n for n, s in zip(objectives, silent, strict=True) if s
+        ]
+        if torch.cuda.is_available():
+            record["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return record
+
+    def _checkpoint(self) -> None:
+        if not self.world.is_main:
+            self.world.barrier()
+            return
+        state = {
+            "epoch": self.epoch,
+            "optimizer_step": self.optimizer_step,
+            "default": self.policy.lora_state("default"),
+            "old": self.policy.lora_state("old"),
+            "optimizer": self.optimizer.state_dict(),
+            "ema": self.ema.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "config": self.config.to_dict(),
+        }
+        save_checkpoint(self.run_dir, self.epoch, state)
+        keep_last(self.run_dir, self.config.run.keep_checkpoints)
+        self.world.barrier()
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return
+        state = load_checkpoint(path, weights_only=False)
+        self.policy.load_lora_state("default", state["default"])
+        self.policy.load_lora_state("old", state["old"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.ema.load_state_dict(state["ema"])
+        self.strategy.load_state_dict(state["strategy"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.epoch = int(state["epoch"])
+        self.optimizer_step = int(state["optimizer_step"])
+
+    def _synchronize_adapters(self) -> None:
+        """Start every replica from rank 0's adapters (both trained and rollout)."""
+        for adapter in ("default", "old"):
+            state = self.policy.lora_state(adapter)
+            self.world.broadcast_parameters(list(state.values()))
+            self.policy.load_lora_state(adapter, state)
+
+    def _export_lora(self) -> None:
+        self.policy.save_lora(self.run_dir / "lora", adapter="default")
+        with self.ema.swap_in():
+            self.policy.save_lora(self.run_dir / "lora_ema", adapter="default")
+
+
+def mask_silent_objectives(advantages: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """Mark objectives whose advantages are all zero (or NaN) as not applicable this epoch.
+
+    With every advantage zero (e.g. every group got identical rewards) an objective's NFT
+    gradient is only the symmetric pull towards the old policy, which is round-off while
+    default == old; normalize-and-rescale would blow that up to unit size (seen: a raw
+    weight of 1.7e6). As NaN it gets exactly zero coefficients and the harmonizer drops it.
+    """
+    signal = (advantages.nan_to_num(0.0) != 0).any(dim=0)
+    masked = advantages.clone()
+    masked[:, ~signal] = float("nan")
+    return masked, (~signal).tolist()
+
+
+def accumulate_gradients(
+    losses: Any,
+    parameters: list[torch.Tensor],
+    weights: torch.Tensor | None,
+    count: int,
+) -> torch.Tensor | None:
+    """Sum ``scale * grad`` over a stream of (scale, CombinableLoss).
+
+    With ``weights`` (a cached or weight-only step) every loss is combined first and one
+    backward accumulates ``sum_k w_k g_k`` into ``.grad``. Without, the K per-objective
+    gradients are accumulated into a K x D stack (returned) and only the non-harmonized
+    ``extra`` term (KL) goes to ``.grad``. Both paths are exact for the same weights.
+    """
+    stack = None
+    for scale, loss in losses:
+        if weights is not None:
+            (loss.combined(weights) * scale).backward()
+            continue
+        part = combinable_gradients(loss, parameters, retain_graph=loss.extra is not None)
+        stack = part * scale if stack is None else stack.add_(part, alpha=scale)
+        if loss.extra is not None:
+            (loss.extra * scale).backward()
+    if weights is None and stack is None:
+        total = sum(parameter.numel() for parameter in parameters)
+        stack = torch.zeros(count, total, device=parameters[0].device)
+    return stack
+
+
+def add_to_gradients(parameters: list[torch.Tensor], direction: torch.Tensor) -> None:
+    """``.grad += direction`` (flat), creating gradients where none exist yet."""
+    offset = 0
+    for parameter in parameters:
+        size = parameter.numel()
+        piece = direction[offset : offset + size].view_as(parameter).to(parameter.dtype)
+        parameter.grad = piece.clone() if parameter.grad is None else parameter.grad + piece
+        offset += size

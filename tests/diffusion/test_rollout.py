@@ -1,0 +1,168 @@
+"""Rollout samplers on the tiny SD3 pipeline, checked against diffusers and closed forms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mogradient_diffusion.policy import LoraSpec, Policy
+from mogradient_diffusion.rollout import RolloutBatch, integrate, rollout, sampler_sigmas
+
+PROMPTS = ["a red cat", 'a sign saying "hello"']
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_pipeline_dir: Path) -> Policy:
+    """A policy whose ``old`` adapter differs from the base model."""
+    policy = Policy.load(tiny_pipeline_dir, LoraSpec(rank=4, alpha=8))
+    generator = torch.Generator().manual_seed(0)
+    state = policy.lora_state("old")
+    policy.load_lora_state(
+        "old", {k: 0.1 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
+    )
+    return policy
+
+
+def _noise(policy: Policy, count: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(count, *policy.latent_shape(64), generator=generator)
+
+
+def _rollout(policy: Policy, images_per_prompt: int, steps: int, **kwargs) -> RolloutBatch:
+    return rollout(
+        policy,
+        PROMPTS,
+        images_per_prompt,
+        steps,
+        resolution=64,
+        max_sequence_length=MAX_TOKENS,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+@pytest.mark.parametrize("steps", [1, 4, 10, 25, 40])
+def test_sampler_sigmas_equal_the_diffusers_scheduler(steps: int, shift: float) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(steps)
+    sigmas = sampler_sigmas(steps, shift)
+    assert sigmas.shape == (steps + 1,) and sigmas[0] == 1 and sigmas[-1] == 0
+    assert torch.equal(sigmas, scheduler.sigmas)
+
+
+def test_euler_one_step_is_the_closed_form(policy: Policy) -> None:
+    noise = _noise(policy, 2)
+    batch = _rollout(policy, 1, 1, noise=noise)
+    embeds = policy.encode_prompts(PROMPTS, MAX_TOKENS)
+    expected = noise - policy.velocity(noise, 1.0, embeds, "old")
+    torch.testing.assert_close(batch.latents, expected, rtol=0, atol=1e-6)
+    assert torch.equal(batch.sigmas, torch.tensor([1.0, 0.0]))
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
+def test_euler_matches_the_diffusers_pipeline(policy, tiny_pipeline_dir, guidance_scale) -> None:
+    from diffusers import StableDiffusion3Pipeline
+
+    pipeline = StableDiffusion3Pipeline.from_pretrained(tiny_pipeline_dir)
+    pipeline.set_progress_bar_config(disable=True)
+    noise = _noise(policy, 4)
+    batch = _rollout(policy, 2, 4, noise=noise, adapter="reference", guidance_scale=guidance_scale)
+    options = dict(
+        prompt=PROMPTS,
+        num_images_per_prompt=2,
+        num_inference_steps=4,
+        guidance_scale=guidance_scale,
+        height=64,
+        width=64,
+        latents=noise,
+        max_sequence_length=MAX_TOKENS,
+    )
+    latents = pipeline(**options, output_type="latent").images
+    torch.testing.assert_close(batch.latents, latents, rtol=0, atol=1e-5)
+    images = pipeline(**options, output_type="pt").images
+    torch.testing.assert_close(batch.images, images, rtol=0, atol=1e-5)
+
+
+def test_sde_without_noise_is_euler_and_with_noise_is_seeded(policy: Policy) -> None:
+    noise = _noise(policy, 2)
+    euler = _rollout(policy, 1, 3, noise=noise)
+    quiet = _rollout(policy, 1, 3, noise=noise, sampler="sde", noise_level=0.0)
+    assert torch.equal(quiet.latents, euler.latents)
+    noisy = [
+        _rollout(policy, 1, 3, sampler="sde", generator=torch.Generator().manual_seed(5))
+        for _ in range(2)
+    ]
+    assert torch.equal(noisy[0].latents, noisy[1].latents)
+    assert not torch.allclose(noisy[0].latents, euler.latents, atol=1e-3)
+
+
+def test_dpm2_reduces_to_euler_at_the_ends_and_converges_at_second_order() -> None:
+    """For x0 ~ N(0, c^2) the flow ODE maps x1 to exactly c * x1."""
+    c = 1.0
+
+    def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+        x0_mean = (1 - sigma) * c**2 / ((1 - sigma) ** 2 * c**2 + sigma**2) * x
+        return (x - x0_mean) / sigma
+
+    x1 = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    for steps in (1, 2):  # from sigma = 1 and into sigma = 0 the update is first order
+        sigmas = sampler_sigmas(steps)
+        euler = integrate(velocity, x1, sigmas, "euler")
+        assert torch.equal(integrate(velocity, x1, sigmas, "dpm2"), euler)
+
+    def error(sampler: str, steps: int) -> float:
+        return (integrate(velocity, x1, sampler_sigmas(steps), sampler) - c * x1).norm().item()
+
+    assert 1.8 < error("euler", 80) / error("euler", 160) < 2.2
+    assert error("dpm2", 80) / error("dpm2", 160) > 3.5
+    assert error("dpm2", 80) < 0.5 * error("euler", 80)
+
+
+def test_rollout_batch_shapes_grouping_and_chunking(policy: Policy) -> None:
+    noise = _noise(policy, 6)
+    whole = _rollout(policy, 3, 2, noise=noise, sampler="dpm2")
+    chunked = _rollout(policy, 3, 2, noise=noise, sampler="dpm2", batch_size=4, progress=True)
+    assert len(whole) == 6
+    assert whole.prompts == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    assert whole.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
+    assert whole.group_ids.dtype == torch.long
+    assert whole.latents.shape == (6, 4, 8, 8)
+    assert whole.images.shape == (6, 3, 64, 64)
+    assert whole.images.min() >= 0 and whole.images.max() <= 1
+    assert whole.sigmas.shape == (3,)
+    assert len(whole.embeds) == 6
+    assert torch.equal(whole.embeds.prompt_embeds[0], whole.embeds.prompt_embeds[2])
+    assert not torch.equal(whole.embeds.pooled[0], whole.embeds.pooled[3])
+    torch.testing.assert_close(chunked.latents, whole.latents, rtol=0, atol=1e-6)
+    torch.testing.assert_close(chunked.images, whole.images, rtol=0, atol=1e-6)
+
+
+def test_rollout_uses_the_adapter_and_leaves_default_trainable(policy: Policy) -> None:
+    noise = _noise(policy, 2)
+    old = _rollout(policy, 1, 2, noise=noise, adapter="old")
+    default = _rollout(policy, 1, 2, noise=noise, adapter="default")
+    reference = _rollout(policy, 1, 2, noise=noise, adapter="reference")
+    assert not torch.allclose(old.latents, default.latents, atol=1e-4)
+    torch.testing.assert_close(default.latents, reference.latents)  # B = 0: default is the base
+    assert all(p.requires_grad for p in policy.trainable_parameters())
+    assert not old.latents.requires_grad
+
+
+def test_rollout_rejects_bad_arguments(policy: Policy) -> None:
+    for bad in ({"sampler": "ddim"}, {"adapter": "ema"}, {"noise_level": -1.0}, {"batch_size": 0}):
+        with pytest.raises(ValueError):
+            _rollout(policy, 1, 2, **bad)
+    with pytest.raises(ValueError, match="images_per_prompt"):
+        _rollout(policy, 0, 2)
+    with pytest.raises(ValueError, match="steps"):
+        _rollout(policy, 1, 0)
+    with pytest.raises(ValueError, match="noise must have shape"):
+        _rollout(policy, 1, 2, noise=torch.zeros(3, 4, 8, 8))
+    with pytest.raises(ValueError, match="negative_embeds"):
+        negative = policy.encode_prompts(["", ""], MAX_TOKENS)
+        _rollout(policy, 3, 2, guidance_scale=2.0, negative_embeds=negative)

@@ -1,0 +1,261 @@
+"""The training loop on the tiny preset: end to end, exactness, strategies, DDP, resume."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mogradient.harmonizers.base import combine
+from mogradient_diffusion.cli import main
+from mogradient_diffusion.config import load_config
+from mogradient_diffusion.distributed import World
+from mogradient_diffusion.runlog import read_metrics
+from mogradient_diffusion.trainer import Trainer, accumulate_gradients
+
+FAST = ["run.quiet=true", "train.epochs=2"]
+
+
+def _run(tmp_path: Path, *overrides: str) -> Path:
+    run_dir = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", f"run.directory={run_dir}", *FAST, *overrides]) == 0
+    return run_dir
+
+
+def test_marble_tiny_run_writes_metrics_plots_and_a_diffusers_lora(tmp_path: Path) -> None:
+    from diffusers import StableDiffusion3Pipeline
+
+    run_dir = _run(tmp_path, "train.epochs=3")
+    records = read_metrics(run_dir)
+    assert [record["step"] for record in records] == [0, 1, 2]
+    steps = [step for record in records for step in record["optimizer_steps"]]
+    # Solves until one yields a cache (single-objective solves do not), then every 2nd step.
+    first = next(i for i, s in enumerate(steps) if s["solved"] and s["fallback"] is None)
+    assert all(step["solved"] for step in steps[: first + 1])
+    assert [step["solved"] for step in steps[first:]][:2] in ([1, 0], [1])
+    assert all(math.isfinite(w) for step in steps for w in step["weights"])
+    assert math.isfinite(records[-1]["reward/jpeg_incompressibility/mean"])
+    assert (run_dir / "tensorboard").is_dir() and (run_dir / "checkpoints").is_dir()
+
+    assert main(["plot", str(run_dir)]) == 0
+    assert (run_dir / "plots" / "rewards.png").stat().st_size > 0
+
+    base = StableDiffusion3Pipeline.from_pretrained(run_dir / "tiny_model")
+    tuned = StableDiffusion3Pipeline.from_pretrained(run_dir / "tiny_model")
+    tuned.load_lora_weights(run_dir / "lora")
+    inputs = {
+        "hidden_states": torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)),
+        "encoder_hidden_states": torch.randn(1, 5, 32),
+        "pooled_projections": torch.randn(1, 32),
+        "timestep": torch.tensor([500.0]),
+    }
+    with torch.no_grad():
+        delta = tuned.transformer(**inputs).sample - base.transformer(**inputs).sample
+    assert delta.abs().max() > 0  # the trained LoRA is loaded and changes the model
+
+
+def test_full_solve_and_cached_paths_apply_the_same_gradient(tmp_path: Path) -> None:
+    """Inside the trainer: K per-objective gradients combined == one combined backward."""
+    config = load_config(preset="tiny", overrides=[f"run.directory={tmp_path}", "run.quiet=true"])
+    trainer = Trainer(config, World(rank=0, size=1, device=torch.device("cpu")))
+    drawn = trainer._epoch_prompts()
+    from mogradient_diffusion.rollout import rollout
+
+    batch = rollout(
+        trainer.policy,
+        [item.prompt for item in drawn],
+        images_per_prompt=4,
+        steps=4,
+        resolution=64,
+        generator=torch.Generator().manual_seed(0),
+        max_sequence_length=32,
+    )
+    # Advantages with NaN (not applicable) and clamped entries.
+    advantages = torch.tensor([[7.0, -1.0], [float("nan"), 0.5], [-6.0, 2.0], [1.0, float("nan")]])
+    advantages = advantages.repeat(2, 1)
+    torch.manual_seed(0)
+    for parameter in trainer.parameters:  # move default away from old: non-trivial branches
+        parameter.data.add_(0.05 * torch.randn_like(parameter))
+    weights = torch.tensor([0.8, -0.3], dtype=torch.float64)
+
+    def gradient(per_objective: bool) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(1)
+        group = [trainer._micro_batch(batch, advantages, torch.arange(8), generator)]
+        for parameter in trainer.parameters:
+            parameter.grad = None
+        stack = accumulate_gradients(
+            trainer._loss_stream(group, generator),
+            trainer.parameters,
+            None if per_objective else weights,
+            2,
+        )
+        grads = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                for p in trainer.parameters
+            ]
+        )
+        return grads + combine(stack, weights) if per_objective else grads
+
+    full, cached = gradient(True), gradient(False)
+    assert full.norm() > 0
+    assert (full - cached).norm() <= 1e-5 * full.norm()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["strategy.name=weighted_sum"],
+        ["strategy.name=single", "strategy.reward=jpeg_incompressibility"],
+        [
+            "strategy.name=sequential",
+            "strategy.stages=[{rewards: [color_match], epochs: 1}, "
+            "{rewards: [jpeg_incompressibility], epochs: 1}]",
+        ],
+        ["strategy.name=reward_dropout", "strategy.dropout_probability=0.5"],
+        ["strategy.name=pcgrad"],
+        ["strategy.name=upgrad"],
+        ["strategy.name=marble", "strategy.period=1", "strategy.normalize=false"],
+        ["strategy.name=marble", "strategy.fixed_alpha=true"],
+    ],
+    ids=[
+        "weighted_sum",
+        "single",
+        "sequential",
+        "reward_dropout",
+        "pcgrad",
+        "upgrad",
+        "plain_every_step",
+        "fixed_alpha",
+    ],
+)
+def test_every_strategy_trains(tmp_path: Path, overrides: list[str]) -> None:
+    records = read_metrics(_run(tmp_path, *overrides))
+    assert len(records) == 2
+    for record in records:
+        for step in record["optimizer_steps"]:
+            assert all(math.isfinite(w) for w in step["weights"])
+            assert math.isfinite(step["grad_norm"])
+
+
+def test_sequential_switches_stage(tmp_path: Path) -> None:
+    stages = (
+        "strategy.stages=[{rewards: [color_match], epochs: 1}, "
+        "{rewards: [jpeg_incompressibility], epochs: 1}]"
+    )
+    records = read_metrics(_run(tmp_path, "strategy.name=sequential", stages))
+    assert [record["objectives"] for record in records] == [
+        ["color_match"],
+        ["jpeg_incompressibility"],
+    ]
+
+
+def test_configuration_errors_are_one_line_before_any_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["train", "--preset", "tiny", f"run.directory={tmp_path}", "train.batch_size=3"])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert "train.batch_size=3" in error and "Traceback" not in error
+    assert not (tmp_path / "tiny_model").exists()
+
+
+@pytest.mark.parametrize("recipe", sorted(Path("configs").glob("sd35m_*.yaml")), ids=str)
+def test_shipped_recipes_validate(recipe: Path) -> None:
+    config = load_config(recipe, world_size=16 if "base" not in recipe.name else 1)
+    assert config.rollout.images_per_prompt == 24 and config.nft.beta == 0.1
+
+
+def _command(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "mogradient_diffusion.cli",
+        "train",
+        "--preset",
+        "tiny",
+        f"run.directory={run_dir}",
+        "run.quiet=true",
+        *extra,
+    ]
+
+
+def _environment() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def test_two_process_gloo_run_keeps_replicas_identical(tmp_path: Path) -> None:
+    run_dir = tmp_path / "ddp"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "mogradient_diffusion.cli",
+        "train",
+        "--preset",
+        "tiny",
+        f"run.directory={run_dir}",
+        "run.quiet=true",
+        "train.epochs=2",
+    ]
+    result = subprocess.run(
+        command, env=_environment(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert len(records) == 2
+    assert all(record["ddp/parameter_divergence"] == 0.0 for record in records)
+    assert any(step["solved"] for record in records for step in record["optimizer_steps"])
+
+
+def test_killed_run_resumes_and_reproduces_the_uninterrupted_one(tmp_path: Path) -> None:
+    epochs = ["train.epochs=8", "run.checkpoint_every=1", "run.keep_checkpoints=8"]
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    subprocess.run(
+        _command(reference_dir, *epochs),
+        env=_environment(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    process = subprocess.Popen(
+        _command(killed_dir, *epochs),
+        env=_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    target = killed_dir / "checkpoints" / "step_00000002"
+    deadline = time.monotonic() + 240
+    while not target.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    interrupted = read_metrics(killed_dir)
+    assert len(interrupted) < 8, "the run finished before it could be killed"
+
+    subprocess.run(
+        _command(killed_dir, *epochs),
+        env=_environment(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    resumed, reference = read_metrics(killed_dir), read_metrics(reference_dir)
+    assert [r["step"] for r in resumed] == list(range(8))
+    for mine, theirs in zip(resumed, reference, strict=True):
+        for key in ("reward/jpeg_incompressibility/mean", "reward/color_match/mean"):
+            assert mine[key] == theirs[key] or (mine[key] is None and theirs[key] is None)
+        assert [s["weights"] for s in mine["optimizer_steps"]] == [
+            s["weights"] for s in theirs["optimizer_steps"]
+        ]
