@@ -112,7 +112,6 @@ class StrategyConfig:
     fixed_alpha: bool = False  # ablation: equal alpha, no solve
     dropout_probability: float = 0.3
     dropout_warmup_steps: int = 0
-    diagnostics_every: int = 0  # also measure per-reward cosines every N steps (0 = only on solves)
     options: dict[str, Any] = field(default_factory=dict)  # extra harmonizer options
 
 

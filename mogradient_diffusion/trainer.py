@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from mogradient import combinable_gradients, conflict_diagnostics
 from mogradient.harmonizers.base import combine
@@ -99,17 +100,26 @@ class Trainer:
         """Train from the latest checkpoint (if any) to the configured number of epochs."""
         self._resume()
         log = RunLog(self.run_dir, resume_from_step=self.epoch) if self.world.is_main else None
+        bar = tqdm(
+            total=self.config.train.epochs,
+            initial=self.epoch,
+            desc="epochs",
+            disable=not self.world.is_main or self.config.run.quiet,
+        )
         try:
             while self.epoch < self.config.train.epochs:
                 record = self.train_epoch()
                 if log is not None:
                     log.log(self.epoch, record)
+                bar.update(1)
+                bar.set_postfix(_summary(record, self.reward_names))
                 self.epoch += 1
                 if self.epoch % self.config.run.checkpoint_every == 0:
                     self._checkpoint()
             if self.world.is_main:
                 self._export_lora()
         finally:
+            bar.close()
             if log is not None:
                 log.close()
         return self.run_dir
@@ -385,6 +395,18 @@ class Trainer:
         self.policy.save_lora(self.run_dir / "lora", adapter="default")
         with self.ema.swap_in():
             self.policy.save_lora(self.run_dir / "lora_ema", adapter="default")
+
+
+def _summary(record: dict[str, Any], reward_names: list[str]) -> dict[str, str]:
+    """A few numbers for the progress bar: mean rewards and the latest weights."""
+    summary = {
+        name: f"{record.get(f'reward/{name}/mean') or float('nan'):.3g}" for name in reward_names
+    }
+    steps = record.get("optimizer_steps") or [{}]
+    weights = steps[-1].get("weights")
+    if weights:
+        summary["w"] = "/".join(f"{w:.2g}" for w in weights)
+    return summary
 
 
 def mask_silent_objectives(advantages: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
