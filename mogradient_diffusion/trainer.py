@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from tqdm.auto import tqdm
 
 from mogradient import combinable_gradients, conflict_diagnostics
@@ -99,6 +100,10 @@ class Trainer:
     def run(self) -> Path:
         """Train from the latest checkpoint (if any) to the configured number of epochs."""
         self._resume()
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            text = yaml.safe_dump(self.config.to_dict(), sort_keys=False)
+            (self.run_dir / "config.yaml").write_text(text)
         log = RunLog(self.run_dir, resume_from_step=self.epoch) if self.world.is_main else None
         bar = tqdm(
             total=self.config.train.epochs,

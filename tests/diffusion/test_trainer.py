@@ -43,6 +43,8 @@ def test_marble_tiny_run_writes_metrics_plots_and_a_diffusers_lora(tmp_path: Pat
     assert all(math.isfinite(w) for step in steps for w in step["weights"])
     assert math.isfinite(records[-1]["reward/jpeg_incompressibility/mean"])
     assert (run_dir / "tensorboard").is_dir() and (run_dir / "checkpoints").is_dir()
+    # The resolved config is written and loads back as a config file.
+    assert load_config(run_dir / "config.yaml").strategy.name == "marble"
 
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "plots" / "rewards.png").stat().st_size > 0
