@@ -47,6 +47,9 @@ def _train(config_path: Path | None, preset: str | None, overrides: list[str]) -
     world = World.from_environment(config.model.device)
     try:
         run_dir = Trainer(config, world).run()
+    except (ConfigError, FileNotFoundError) as error:
+        print(f"mogradient-diffusion: {error}", file=sys.stderr)
+        return 2
     finally:
         world.close()
     if world.is_main:

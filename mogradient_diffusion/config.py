@@ -72,9 +72,10 @@ class TrainConfig:
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
     ema_decay: float = 0.9
-    # copy | linear | delayed_linear; MARBLE: linear capped at 0.95 (DiffusionNFT: 0.5)
+    # copy | linear | delayed_linear; MARBLE: linear capped at 0.95 (DiffusionNFT: 0.5).
+    # old_cap: null keeps the schedule's own cap (linear 0.5, delayed_linear 0.999).
     old_schedule: str = "linear"
-    old_cap: float = 0.95
+    old_cap: float | None = 0.95
 
 
 @dataclass
@@ -214,10 +215,54 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
         )
     if config.nft.beta <= 0 or config.nft.a_max <= 0:
         raise ConfigError("nft.beta and nft.a_max must be positive")
-    if not 0 <= strategy.rho < 1:
-        raise ConfigError(f"strategy.rho must be in [0, 1), got {strategy.rho}")
+    _check_ranges(config)
     _check_batch_arithmetic(config, world_size)
     _check_rewards_and_strategy(config)
+
+
+def _check_ranges(config: TrainingConfig) -> None:
+    train, strategy, run = config.train, config.strategy, config.run
+    checks = [
+        ("strategy.rho", strategy.rho, 0 <= strategy.rho < 1, "in [0, 1)"),
+        ("train.ema_decay", train.ema_decay, 0 <= train.ema_decay < 1, "in [0, 1)"),
+        ("train.learning_rate", train.learning_rate, train.learning_rate > 0, "> 0"),
+        ("train.grad_clip", train.grad_clip, train.grad_clip > 0, "> 0"),
+        ("nft.kl_coefficient", config.nft.kl_coefficient, config.nft.kl_coefficient >= 0, ">= 0"),
+        (
+            "strategy.dropout_probability",
+            strategy.dropout_probability,
+            0 <= strategy.dropout_probability <= 1,
+            "in [0, 1]",
+        ),
+        ("strategy.warmup_steps", strategy.warmup_steps, strategy.warmup_steps >= 0, ">= 0"),
+        (
+            "strategy.dropout_warmup_steps",
+            strategy.dropout_warmup_steps,
+            strategy.dropout_warmup_steps >= 0,
+            ">= 0",
+        ),
+        ("run.checkpoint_every", run.checkpoint_every, run.checkpoint_every >= 1, ">= 1"),
+        ("run.keep_checkpoints", run.keep_checkpoints, run.keep_checkpoints >= 1, ">= 1"),
+    ]
+    if train.old_cap is not None:
+        checks.append(("train.old_cap", train.old_cap, 0 <= train.old_cap < 1, "in [0, 1)"))
+    for key, value, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key} must be {expected}, got {value}")
+    if strategy.weights is not None and (
+        any(w < 0 for w in strategy.weights) or not any(w > 0 for w in strategy.weights)
+    ):
+        raise ConfigError(f"strategy.weights must be >= 0 and not all zero, got {strategy.weights}")
+    if any(stage.epochs < 1 for stage in strategy.stages):
+        raise ConfigError("every sequential stage needs epochs >= 1")
+    prompts = config.prompts
+    if prompts.sources and prompts.directory is None:
+        raise ConfigError(
+            "prompts.sources is set but prompts.directory is not: say where the files are "
+            "(without both, the built-in miniature prompts are used)"
+        )
+    if prompts.directory is not None and not prompts.sources:
+        raise ConfigError("prompts.directory is set but prompts.sources is empty")
 
 
 def _check_batch_arithmetic(config: TrainingConfig, world_size: int) -> None:
@@ -248,11 +293,15 @@ def _check_batch_arithmetic(config: TrainingConfig, world_size: int) -> None:
 
 def _check_rewards_and_strategy(config: TrainingConfig) -> None:
     from mogradient.harmonizers import HARMONIZERS
+    from mogradient_diffusion.rewards import REWARDS
 
     strategy = config.strategy
     names = [reward.name for reward in config.rewards]
     if not names:
         raise ConfigError("no rewards configured: add at least one entry under `rewards:`")
+    unknown_rewards = sorted(set(names) - set(REWARDS))
+    if unknown_rewards:
+        raise ConfigError(f"unknown reward(s) {unknown_rewards}; registered: {sorted(REWARDS)}")
     if len(set(names)) != len(names):
         raise ConfigError(f"duplicate rewards in `rewards:`: {names}")
     known = set(STRATEGIES) | set(HARMONIZERS)
@@ -297,7 +346,10 @@ def _parse_override(text: str) -> dict[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r} must look like section.key=value")
-    parsed = yaml.safe_load(value) if value else None
+    try:
+        parsed = yaml.safe_load(value) if value else None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({error})") from None
     nested: dict[str, Any] = parsed
     for part in reversed(key.split(".")):
         nested = {part: nested}

@@ -45,9 +45,17 @@ class RunLog:
         kept = [
             line
             for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] < step
+            if _step_of(line) is not None and _step_of(line) < step
         ]
         self.path.write_text("".join(line + "\n" for line in kept))
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a JSONL line, None for a blank or torn line (a crash mid-write)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

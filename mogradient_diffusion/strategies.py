@@ -22,6 +22,7 @@ from mogradient_diffusion.advantages import weighted_reward
 from mogradient_diffusion.config import StrategyConfig
 
 _GRADIENT_FREE = (FixedWeights, Mean, RandomWeights)
+_RANDOMIZED = ("rlw", "gradvac", "pcgrad")
 
 
 @dataclass
@@ -89,12 +90,12 @@ class Strategy:
         return self.stages[-1][0]
 
 
-def build_strategy(config: StrategyConfig, reward_names: list[str]) -> Strategy:
+def build_strategy(config: StrategyConfig, reward_names: list[str], seed: int = 0) -> Strategy:
     """The strategy a config names, with MARBLE's defaults where it applies."""
     count = len(reward_names)
     name = config.name
     if name == "marble":
-        alpha_floor = 1.0 / count if config.fixed_alpha else 0.0
+        alpha_floor = 1.0 / count if config.fixed_alpha and count > 1 else 0.0
         harmonizer: Harmonizer = MGDA(normalize=config.normalize, alpha_floor=alpha_floor)
         return Strategy(name, reward_names, _amortizer(harmonizer, config))
     if name in ("weighted_sum", "single", "sequential"):
@@ -102,10 +103,16 @@ def build_strategy(config: StrategyConfig, reward_names: list[str]) -> Strategy:
     if name == "reward_dropout":
         inner = FixedWeights(config.weights)
         harmonizer = RewardDropout(
-            inner, config.dropout_probability, warmup_steps=config.dropout_warmup_steps
+            inner,
+            config.dropout_probability,
+            warmup_steps=config.dropout_warmup_steps,
+            seed=seed,
         )
         return Strategy(name, reward_names, Amortizer(harmonizer, period=1, rho=0.0))
-    harmonizer = PCGrad() if name == "pcgrad" else make_harmonizer(name, **config.options)
+    options = dict(config.options)
+    if name in _RANDOMIZED:  # reproducible and resumable: seeded from the run
+        options.setdefault("seed", seed)
+    harmonizer = PCGrad(seed=seed) if name == "pcgrad" else make_harmonizer(name, **options)
     # Other harmonizers solve every step without smoothing unless the config says otherwise.
     return Strategy(name, reward_names, _amortizer(harmonizer, config, default_every_step=True))
 

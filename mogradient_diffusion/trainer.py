@@ -13,6 +13,7 @@ and broadcast from rank 0.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from mogradient_diffusion.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from mogradient_diffusion.config import TrainingConfig
+from mogradient_diffusion.config import ConfigError, TrainingConfig
 from mogradient_diffusion.distributed import World
 from mogradient_diffusion.nft import NFTConfig, nft_loss
 from mogradient_diffusion.policy import LoraSpec, ParameterEMA, Policy, old_decay
@@ -76,7 +77,9 @@ class Trainer:
         self._synchronize_adapters()
         self.rewards = RewardSet([make_reward(r.name, **r.options) for r in config.rewards])
         self.reward_names = [r.name for r in config.rewards]
-        self.strategy: Strategy = build_strategy(config.strategy, self.reward_names)
+        self.strategy: Strategy = build_strategy(
+            config.strategy, self.reward_names, seed=config.run.seed
+        )
         self.sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
         train = config.train
         self.optimizer = torch.optim.AdamW(
@@ -119,7 +122,8 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(_summary(record, self.reward_names))
                 self.epoch += 1
-                if self.epoch % self.config.run.checkpoint_every == 0:
+                last = self.epoch == self.config.train.epochs
+                if last or self.epoch % self.config.run.checkpoint_every == 0:
                     self._checkpoint()
             if self.world.is_main:
                 self._export_lora()
@@ -156,11 +160,13 @@ class Trainer:
         times["time/reward"] = time.perf_counter() - started
         advantages, stats = self._advantages(rewards, batch)
         started = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._rollout_sigmas = batch.sigmas
         step_records = self._train_on(batch, advantages)
-        times["time/train"] = (
-            time.perf_counter() - started - sum(r["time/harmonize"] for r in step_records)
-        )
-        times["time/harmonize"] = sum(r["time/harmonize"] for r in step_records)
+        for key in ("time/backward", "time/harmonize", "time/optimizer"):
+            times[key] = sum(record[key] for record in step_records)
+        times["time/train"] = time.perf_counter() - started
         # The reference schedules count optimizer steps, not epochs.
         decay = old_decay(
             self.config.train.old_schedule, self.optimizer_step, self.config.train.old_cap
@@ -211,17 +217,22 @@ class Trainer:
     ) -> dict[str, Any]:
         """Accumulate one optimizer step's gradients, harmonize, clip and step."""
         count = group[0].advantages.shape[1]
+        group = self._mask_silent_in_step(group)
         full = self.strategy.needs_gradients()
-        cached = None if full else self.strategy.weights(None, count)
+        cached = None
+        if not full:  # weight-only or cached: every rank applies rank 0's weights
+            cached = self.strategy.weights(None, count)
+            cached = dataclasses.replace(cached, weights=self.world.broadcast(cached.weights))
+        started = time.perf_counter()
         jacobian = accumulate_gradients(
             self._loss_stream(group, generator),
             self.parameters,
             None if full else cached.weights,
             count,
         )
+        record: dict[str, Any] = {"time/backward": time.perf_counter() - started}
         harmonize_started = time.perf_counter()
         self.world.average_gradients(self.parameters)
-        record: dict[str, Any] = {}
         if full:
             jacobian = self.world.average(jacobian)
             step = self.strategy.weights(jacobian, count)
@@ -240,6 +251,7 @@ class Trainer:
             step = cached
             weights = step.weights
         record["time/harmonize"] = time.perf_counter() - harmonize_started
+        optimizer_started = time.perf_counter()
         record["solved"] = int(full)
         record["fallback"] = step.fallback
         record["weights"] = [float(w) for w in weights]
@@ -250,11 +262,26 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.ema.update()
         self.optimizer_step += 1
+        record["time/optimizer"] = time.perf_counter() - optimizer_started
         return record
+
+    def _mask_silent_in_step(self, group: list[MicroBatch]) -> list[MicroBatch]:
+        """Per step, as per epoch: objectives with no nonzero advantage on any rank sit out."""
+        rows = torch.cat([micro.advantages for micro in group])
+        signal = (rows.nan_to_num(0.0) != 0).any(dim=0).to(torch.float32).to(self.world.device)
+        signal = self.world.average(signal).cpu() > 0
+        if signal.all():
+            return group
+        masked = []
+        for micro in group:
+            advantages = micro.advantages.clone()
+            advantages[:, ~signal] = float("nan")
+            masked.append(dataclasses.replace(micro, advantages=advantages))
+        return masked
 
     def _loss_stream(self, group: list[MicroBatch], generator: torch.Generator):
         """Yield (scale, CombinableLoss) for every micro-batch x training timestep."""
-        sigmas = self._sigmas()
+        sigmas = self._sigmas
         passes = sum(micro.sigma_order.shape[1] for micro in group)
         for micro in group:
             for column in range(micro.sigma_order.shape[1]):
@@ -291,7 +318,8 @@ class Trainer:
         generator: torch.Generator,
     ) -> MicroBatch:
         steps = self.config.rollout.steps
-        count = max(1, round(self.config.train.timestep_fraction * steps))
+        # int(), as the reference trainers: 0.99 x 10 steps trains 9 timesteps.
+        count = max(1, int(self.config.train.timestep_fraction * steps))
         order = torch.stack([torch.randperm(steps, generator=generator)[:count] for _ in rows])
         return MicroBatch(
             latents=batch.latents[rows].to(self.world.device),
@@ -300,10 +328,10 @@ class Trainer:
             sigma_order=order,
         )
 
+    @property
     def _sigmas(self) -> torch.Tensor:
-        from mogradient_diffusion.rollout import sampler_sigmas
-
-        return sampler_sigmas(self.config.rollout.steps)[:-1]
+        """The noise levels the rollout sampled at (the final 0 excluded): the training grid."""
+        return self._rollout_sigmas[:-1]
 
     # ------------------------------------------------------------- helpers
     def _epoch_prompts(self) -> list[SampledPrompt]:
@@ -338,7 +366,8 @@ class Trainer:
             column = all_rewards[:, index]
             valid = column[~torch.isnan(column)]
             record[f"reward/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
-            record[f"reward/{name}/std"] = float(valid.std()) if len(valid) > 1 else float("nan")
+            population_std = float(valid.std(unbiased=False)) if len(valid) else float("nan")
+            record[f"reward/{name}/std"] = population_std
             record[f"time/reward/{name}"] = float(reward_seconds.get(name, float("nan")))
         objectives = self.strategy.objective_names(self.epoch)
         for key, values in stats.items():
@@ -380,6 +409,7 @@ class Trainer:
         if path is None:
             return
         state = load_checkpoint(path, weights_only=False)
+        _check_resumable(state["config"], self.config.to_dict(), path)
         self.policy.load_lora_state("default", state["default"])
         self.policy.load_lora_state("old", state["old"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -388,6 +418,12 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.epoch = int(state["epoch"])
         self.optimizer_step = int(state["optimizer_step"])
+        epochs = self.world.all_gather_rows(torch.tensor([self.epoch], device=self.world.device))
+        if (epochs != self.epoch).any():
+            raise RuntimeError(
+                f"ranks resumed from different checkpoints (epochs {epochs.tolist()}): every "
+                f"rank must see the same {self.run_dir}/checkpoints (a shared filesystem)"
+            )
 
     def _synchronize_adapters(self) -> None:
         """Start every replica from rank 0's adapters (both trained and rollout)."""
@@ -402,16 +438,29 @@ class Trainer:
             self.policy.save_lora(self.run_dir / "lora_ema", adapter="default")
 
 
+def _check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Refuse a resume whose rewards or strategy differ: cached weights would be misread."""
+    for section in ("rewards", "strategy"):
+        if saved.get(section) != current.get(section):
+            raise ConfigError(
+                f"{path} was written with a different `{section}:` section; resume with the "
+                f"run's own config ({path.parent.parent.parent / 'config.yaml'}) or use a new "
+                "run.directory"
+            )
+
+
 def _summary(record: dict[str, Any], reward_names: list[str]) -> dict[str, str]:
     """A few numbers for the progress bar: mean rewards and the latest weights."""
-    summary = {
-        name: f"{record.get(f'reward/{name}/mean') or float('nan'):.3g}" for name in reward_names
-    }
+    summary = {name: f"{_number(record.get(f'reward/{name}/mean')):.3g}" for name in reward_names}
     steps = record.get("optimizer_steps") or [{}]
     weights = steps[-1].get("weights")
     if weights:
         summary["w"] = "/".join(f"{w:.2g}" for w in weights)
     return summary
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) else float("nan")
 
 
 def mask_silent_objectives(advantages: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
