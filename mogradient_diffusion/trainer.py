@@ -237,10 +237,12 @@ class Trainer:
             jacobian = self.world.average(jacobian)
             step = self.strategy.weights(jacobian, count)
             weights = self.world.broadcast(step.weights)
-            add_to_gradients(self.parameters, combine(jacobian, weights))
+            direction = combine(jacobian, weights)
+            add_to_gradients(self.parameters, direction)
             diagnostics = conflict_diagnostics(
                 weights,
                 jacobian=jacobian,
+                direction=direction,
                 dropped=step.harmonization.dropped if step.harmonization else (),
                 fallback=step.fallback,
             )
