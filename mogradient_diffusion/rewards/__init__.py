@@ -1,25 +1,34 @@
 """Rewards: a validated interface, a registry by name, and the rewards that run offline.
 
-Importing the package registers the built-in rewards (``ocr``, ``jpeg_compressibility``,
-``jpeg_incompressibility``, ``color_match``, ``count_match``); model-based rewards
-register themselves the same way with ``@register_reward``.
+Importing the package registers the built-in rewards: offline ones (``ocr``,
+``jpeg_compressibility``, ``jpeg_incompressibility``, ``color_match``, ``count_match``)
+and model-based ones that load local weights (``pickscore``, ``clipscore``, ``hpsv21``,
+``aesthetic``); user rewards register the same way with ``@register_reward``.
 """
 
+from .aesthetic import Aesthetic
 from .base import Reward, RewardError, to_uint8_images
+from .clip_similarity import ClipScore, HpsV21, PickScore
 from .color import ColorMatch, classify_pixels, colors_in_prompt
 from .count import CountMatch, count_in_prompt, count_objects
 from .jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kilobytes
+from .local_weights import MissingWeightsError
 from .ocr import OcrReward, levenshtein, normalize_text, quoted_text, text_match_score
 from .registry import REWARDS, make_reward, make_reward_set, register_reward
 from .reward_set import RewardScores, RewardSet
 
 __all__ = [
     "REWARDS",
+    "Aesthetic",
+    "ClipScore",
     "ColorMatch",
     "CountMatch",
+    "HpsV21",
     "JpegCompressibility",
     "JpegIncompressibility",
+    "MissingWeightsError",
     "OcrReward",
+    "PickScore",
     "Reward",
     "RewardError",
     "RewardScores",

@@ -33,17 +33,20 @@ class Reward(ABC):
     """Base class: subclasses set ``name`` and ``value_range`` and implement ``score``.
 
     ``device`` is where a model-based reward keeps its model; rule-based rewards run on
-    the CPU whatever it says. ``batch_size`` caps how many images one ``score`` call
-    sees (``None``: the whole batch), to bound the memory of model-based rewards.
+    the CPU whatever it says. Left at ``None`` the reward follows the training device
+    (``RewardSet.to``); set, it is pinned there, e.g. a reward model on a second GPU.
+    ``batch_size`` caps how many images one ``score`` call sees (``None``: the whole
+    batch), to bound the memory of model-based rewards.
     """
 
     name: ClassVar[str]
     value_range: tuple[float, float]
 
-    def __init__(self, device: str | torch.device = "cpu", batch_size: int | None = None):
+    def __init__(self, device: str | torch.device | None = None, batch_size: int | None = None):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"{self.name}: batch_size must be >= 1 or None, got {batch_size}")
-        self.device = torch.device(device)
+        self.pinned_device = device is not None
+        self.device = torch.device("cpu" if device is None else device)
         self.batch_size = batch_size
 
     def to(self, device: str | torch.device) -> Reward:

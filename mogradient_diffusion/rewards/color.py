@@ -92,7 +92,7 @@ class ColorMatch(Reward):
     def __init__(
         self,
         min_share: float = 0.03,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
         batch_size: int | None = None,
     ):
         super().__init__(device, batch_size)

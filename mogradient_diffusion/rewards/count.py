@@ -84,7 +84,7 @@ class CountMatch(Reward):
         self,
         tolerance: float = 0.15,
         min_area: float = 0.002,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
         batch_size: int | None = None,
     ):
         super().__init__(device, batch_size)

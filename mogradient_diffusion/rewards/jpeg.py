@@ -39,7 +39,10 @@ class JpegIncompressibility(Reward):
     sign = 1.0
 
     def __init__(
-        self, quality: int = 95, device: str | torch.device = "cpu", batch_size: int | None = None
+        self,
+        quality: int = 95,
+        device: str | torch.device | None = None,
+        batch_size: int | None = None,
     ):
         super().__init__(device, batch_size)
         if not 1 <= quality <= 100:

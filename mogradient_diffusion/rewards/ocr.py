@@ -98,7 +98,7 @@ class OcrReward(Reward):
         timeout: float = 60.0,
         substring_match: bool = True,
         tesseract_cmd: str | None = None,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
         batch_size: int | None = None,
     ):
         super().__init__(device, batch_size)

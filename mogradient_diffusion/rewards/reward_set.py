@@ -39,9 +39,10 @@ class RewardSet:
         return len(self.rewards)
 
     def to(self, device: str | torch.device) -> RewardSet:
-        """Move every reward to ``device``; returns self."""
+        """Move every reward not pinned to a device of its own to ``device``; returns self."""
         for reward in self.rewards:
-            reward.to(device)
+            if not reward.pinned_device:
+                reward.to(device)
         return self
 
     def __call__(
