@@ -1,4 +1,4 @@
-"""``mogradient-diffusion train|plot``: the command-line entry point.
+"""``mogradient-diffusion train|plot|eval|compare|convert-*``: the command-line entry point.
 
 Configuration problems are reported as one line naming the key and the fix, before any
 model loads; no traceback for user errors.
@@ -25,10 +25,140 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
     plot = commands.add_parser("plot", help="plot a run's curves and diagnostics")
     plot.add_argument("run_dir", type=Path)
+    _add_eval_parser(commands)
+    compare = commands.add_parser("compare", help="Table-1 style table over eval outputs")
+    compare.add_argument("eval_dirs", nargs="+", type=Path)
+    compare.add_argument("--out", type=Path, help="also write the table to this file")
+    convert = commands.add_parser(
+        "convert-hps", help="open_clip checkpoint (HPS v2.1) -> transformers CLIP directory"
+    )
+    convert.add_argument("checkpoint", type=Path, help="e.g. HPS_v2.1_compressed.pt")
+    convert.add_argument("processor_dir", type=Path, help="tokenizer + preprocessor of the CLIP")
+    convert.add_argument("out_dir", type=Path)
+    convert_ir = commands.add_parser(
+        "convert-image-reward", help="ImageReward.pt -> transformers BLIP directory + MLP head"
+    )
+    convert_ir.add_argument("checkpoint", type=Path, help="ImageReward.pt")
+    convert_ir.add_argument("tokenizer_dir", type=Path, help="bert-base-uncased tokenizer files")
+    convert_ir.add_argument("out_dir", type=Path)
+    convert_ir.add_argument("--med-config", type=Path, help="med_config.json of the release")
     args = parser.parse_args(argv)
     if args.command == "plot":
         return _plot(args.run_dir)
+    if args.command == "eval":
+        return _eval(args)
+    if args.command == "compare":
+        return _compare(args.eval_dirs, args.out)
+    if args.command == "convert-hps":
+        return _convert_hps(args.checkpoint, args.processor_dir, args.out_dir)
+    if args.command == "convert-image-reward":
+        return _convert_image_reward(args)
     return _train(args.config, args.preset, args.overrides)
+
+
+def _add_eval_parser(commands) -> None:
+    from mogradient_diffusion.evaluate import PROMPT_SETS
+
+    sets = ", ".join(PROMPT_SETS)
+    evaluate = commands.add_parser("eval", help="generate on a prompt set and score it")
+    evaluate.add_argument("--model", required=True, help="StableDiffusion3Pipeline directory")
+    evaluate.add_argument("--lora", help="LoRA directory written by `train` (lora/ or lora_ema/)")
+    evaluate.add_argument("--prompts", required=True, help=f"shipped set ({sets}) or a file")
+    evaluate.add_argument("--metrics", required=True, help="comma-separated reward names")
+    evaluate.add_argument(
+        "--metric-option",
+        action="append",
+        default=[],
+        metavar="NAME.KEY=VALUE",
+        help="reward option, e.g. pickscore.path=/weights/pickscore (repeatable)",
+    )
+    evaluate.add_argument("--out", required=True, help="output directory")
+    evaluate.add_argument("--steps", type=int, default=40)
+    evaluate.add_argument("--guidance-scale", type=float, default=1.0)
+    evaluate.add_argument("--resolution", type=int)
+    evaluate.add_argument("--images-per-prompt", type=int, default=1)
+    evaluate.add_argument("--max-prompts", type=int)
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--device", default="auto")
+    evaluate.add_argument("--dtype", default="float32")
+    evaluate.add_argument("--label", help="row name in `compare` (default: the folder name)")
+    evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from mogradient_diffusion.evaluate import EvalSettings, evaluate
+    from mogradient_diffusion.rewards import MissingWeightsError, RewardError
+
+    try:
+        settings = EvalSettings(
+            model=args.model,
+            lora=args.lora,
+            prompts=args.prompts,
+            metrics=[m.strip() for m in args.metrics.split(",") if m.strip()],
+            metric_options=_metric_options(args.metric_option),
+            out=args.out,
+            steps=args.steps,
+            guidance_scale=args.guidance_scale,
+            resolution=args.resolution,
+            images_per_prompt=args.images_per_prompt,
+            max_prompts=args.max_prompts,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            device=args.device,
+            dtype=args.dtype,
+            label=args.label,
+            progress=not args.quiet,
+        )
+        settings.validate()
+        out = evaluate(settings)
+    except (ValueError, FileNotFoundError, MissingWeightsError, RewardError) as error:
+        print(f"mogradient-diffusion eval: {error}", file=sys.stderr)
+        return 2
+    print(f"evaluation written to {out} (summary.md, summary.json, samples.jsonl, grid.png)")
+    return 0
+
+
+def _metric_options(items: list[str]) -> dict[str, dict]:
+    """``name.key=value`` strings -> {name: {key: value}}; values parsed as YAML scalars."""
+    import yaml
+
+    options: dict[str, dict] = {}
+    for item in items:
+        target, sep, value = item.partition("=")
+        name, dot, key = target.partition(".")
+        if not sep or not dot or not name or not key:
+            raise SystemExit(
+                f"mogradient-diffusion eval: bad --metric-option {item!r}: "
+                "expected NAME.KEY=VALUE, e.g. pickscore.path=/weights/pickscore"
+            )
+        options.setdefault(name, {})[key] = yaml.safe_load(value)
+    return options
+
+
+def _compare(eval_dirs: list[Path], out: Path | None) -> int:
+    from mogradient_diffusion.compare import comparison_table
+
+    try:
+        table = comparison_table(eval_dirs)
+    except FileNotFoundError as error:
+        print(f"mogradient-diffusion compare: {error}", file=sys.stderr)
+        return 2
+    print(table, end="")
+    if out is not None:
+        out.write_text(table)
+    return 0
+
+
+def _convert_hps(checkpoint: Path, processor_dir: Path, out_dir: Path) -> int:
+    from mogradient_diffusion.rewards.open_clip_conversion import convert_open_clip_checkpoint
+
+    for path in (checkpoint, processor_dir):
+        if not path.exists():
+            print(f"mogradient-diffusion convert-hps: {path} does not exist", file=sys.stderr)
+            return 2
+    print(convert_open_clip_checkpoint(checkpoint, processor_dir, out_dir))
+    return 0
 
 
 def _train(config_path: Path | None, preset: str | None, overrides: list[str]) -> int:
@@ -68,6 +198,22 @@ def _plot(run_dir: Path) -> int:
         return 2
     for path in plot_run(run_dir):
         print(path)
+    return 0
+
+
+def _convert_image_reward(args: argparse.Namespace) -> int:
+    from mogradient_diffusion.rewards.image_reward import convert_image_reward_checkpoint
+
+    for path in (args.checkpoint, args.tokenizer_dir, args.med_config):
+        if path is not None and not path.exists():
+            print(
+                f"mogradient-diffusion convert-image-reward: {path} does not exist", file=sys.stderr
+            )
+            return 2
+    out = convert_image_reward_checkpoint(
+        args.checkpoint, args.out_dir, args.tokenizer_dir, med_config=args.med_config
+    )
+    print(out)
     return 0
 
 

@@ -1,0 +1,86 @@
+"""Table-1 style comparison of evaluated models: metrics side by side plus a composite.
+
+The composite is the mean over metrics of per-column z-scores across the compared rows
+(each metric weighted equally, higher is better for every reward); a metric a row did
+not evaluate is left out of that row's mean. Best and second best per column are marked
+bold and underlined, as in the MARBLE paper's Table 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def read_summary(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory).expanduser() / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{str(directory)!r} has no summary.json; is it an `mogradient-diffusion eval` output?"
+        )
+    return json.loads(path.read_text())
+
+
+def metric_value(entry: dict[str, Any]) -> float:
+    """The headline number: GenEval-style mean over tags where present, else the mean."""
+    value = entry.get("mean_over_tags", entry.get("mean"))
+    return math.nan if value is None else float(value)
+
+
+def composite_scores(table: list[dict[str, float]], metrics: Sequence[str]) -> list[float]:
+    """Row-wise mean of per-column z-scores (population std; a constant column scores 0)."""
+    z_rows: list[list[float]] = [[] for _ in table]
+    for metric in metrics:
+        present = [row[metric] for row in table if not math.isnan(row.get(metric, math.nan))]
+        if not present:
+            continue
+        mean = sum(present) / len(present)
+        std = math.sqrt(sum((v - mean) ** 2 for v in present) / len(present))
+        for z_row, row in zip(z_rows, table, strict=True):
+            value = row.get(metric, math.nan)
+            if not math.isnan(value):
+                z_row.append(0.0 if std == 0 else (value - mean) / std)
+    return [sum(z) / len(z) if z else math.nan for z in z_rows]
+
+
+def comparison_table(directories: Sequence[str | Path]) -> str:
+    """Markdown table over the eval outputs in ``directories``, in the given order."""
+    summaries = [read_summary(d) for d in directories]
+    metrics = list(dict.fromkeys(m for s in summaries for m in s["metrics"]))
+    table = [
+        {m: metric_value(s["metrics"][m]) if m in s["metrics"] else math.nan for m in metrics}
+        for s in summaries
+    ]
+    for row, composite in zip(table, composite_scores(table, metrics), strict=True):
+        row["composite"] = composite
+    columns = [*metrics, "composite"]
+    marks = {column: _ranks([row[column] for row in table]) for column in columns}
+    lines = [
+        "| model | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for i, (summary, row) in enumerate(zip(summaries, table, strict=True)):
+        cells = [_cell(row[c], marks[c].get(i)) for c in columns]
+        lines.append(f"| {summary.get('label', directories[i])} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Composite: mean over metrics of per-column z-scores across these rows. "
+        "**best**, <u>second</u>.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _ranks(values: list[float]) -> dict[int, int]:
+    """{row index: 1 or 2} for the best and second-best finite values (ties share a rank)."""
+    finite = sorted({v for v in values if not math.isnan(v)}, reverse=True)[:2]
+    return {i: finite.index(v) + 1 for i, v in enumerate(values) if v in finite}
+
+
+def _cell(value: float, rank: int | None) -> str:
+    if math.isnan(value):
+        return "–"
+    text = f"{value:.3f}"
+    return {1: f"**{text}**", 2: f"<u>{text}</u>"}.get(rank, text)
