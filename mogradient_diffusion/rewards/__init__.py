@@ -2,8 +2,9 @@
 
 Importing the package registers the built-in rewards: offline ones (``ocr``,
 ``jpeg_compressibility``, ``jpeg_incompressibility``, ``color_match``, ``count_match``)
-and model-based ones that load local weights (``pickscore``, ``clipscore``, ``hpsv21``,
-``aesthetic``); user rewards register the same way with ``@register_reward``.
+model-based ones that load local weights (``pickscore``, ``clipscore``, ``hpsv21``,
+``aesthetic``, ``image_reward``) and ``unified_reward``, a client of a VLM served over
+HTTP; user rewards register the same way with ``@register_reward``.
 """
 
 from .aesthetic import Aesthetic
@@ -11,11 +12,13 @@ from .base import Reward, RewardError, to_uint8_images
 from .clip_similarity import ClipScore, HpsV21, PickScore
 from .color import ColorMatch, classify_pixels, colors_in_prompt
 from .count import CountMatch, count_in_prompt, count_objects
+from .image_reward import ImageReward
 from .jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kilobytes
 from .local_weights import MissingWeightsError
 from .ocr import OcrReward, levenshtein, normalize_text, quoted_text, text_match_score
 from .registry import REWARDS, make_reward, make_reward_set, register_reward
 from .reward_set import RewardScores, RewardSet
+from .unified_reward import UnifiedReward
 
 __all__ = [
     "REWARDS",
@@ -24,6 +27,7 @@ __all__ = [
     "ColorMatch",
     "CountMatch",
     "HpsV21",
+    "ImageReward",
     "JpegCompressibility",
     "JpegIncompressibility",
     "MissingWeightsError",
@@ -33,6 +37,7 @@ __all__ = [
     "RewardError",
     "RewardScores",
     "RewardSet",
+    "UnifiedReward",
     "classify_pixels",
     "colors_in_prompt",
     "count_in_prompt",
