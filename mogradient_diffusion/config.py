@@ -59,6 +59,8 @@ class RolloutConfig:
     prompts_per_epoch: int = 48
     batch_size: int = 9  # images sampled at once per process
     max_sequence_length: int = 256
+    # Score each sampled batch in a background thread while the next one samples.
+    overlap_rewards: bool = False
 
 
 @dataclass

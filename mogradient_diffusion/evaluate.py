@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,8 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from mogradient_diffusion.prompts import PromptSource, load_prompt_file
-from mogradient_diffusion.rewards import RewardScores, RewardSet, make_reward
+from mogradient_diffusion.rewards import RewardSet, make_reward
+from mogradient_diffusion.rewards.background import BackgroundScoring
 from mogradient_diffusion.rewards.base import to_uint8_images
 
 PROMPT_SETS_DIR = Path(__file__).with_name("eval_prompts")
@@ -167,60 +167,48 @@ def evaluate(settings: EvalSettings) -> Path:
     out = Path(settings.out).expanduser()
     (out / "images").mkdir(parents=True, exist_ok=True)
     samples = plan_samples(source, settings.images_per_prompt, settings.seed)
-    batches = [
-        samples[i : i + settings.batch_size] for i in range(0, len(samples), settings.batch_size)
+    scoring = BackgroundScoring(rewards, [s.prompt for s in samples], [s.metadata for s in samples])
+    with tqdm(total=len(samples), desc="eval", unit="img", disable=not settings.progress) as bar:
+        for start in range(0, len(samples), settings.batch_size):
+            batch = samples[start : start + settings.batch_size]
+            images = generate(pipeline, batch, settings)
+            scoring.submit(slice(start, start + len(batch)), images)
+            for sample, image in zip(batch, to_uint8_images(images), strict=True):
+                Image.fromarray(image).save(out / image_path(sample))
+            bar.update(len(batch))
+    values, seconds = scoring.collect()
+    rows = [
+        sample_row(sample, rewards.names, scores)
+        for sample, scores in zip(samples, values.tolist(), strict=True)
     ]
-    rows: list[dict[str, Any]] = []
-    seconds = dict.fromkeys(rewards.names, 0.0)
-    with (
-        ThreadPoolExecutor(max_workers=1) as scorer,
-        (out / "samples.jsonl").open("w") as lines,
-        tqdm(total=len(samples), desc="eval", unit="img", disable=not settings.progress) as bar,
-    ):
-        pending: tuple[list[Sample], torch.Tensor, Future[RewardScores]] | None = None
-        for batch in [*batches, None]:
-            images = None
-            if batch is not None:
-                images = generate(pipeline, batch, settings)
-                future = scorer.submit(
-                    rewards, images, [s.prompt for s in batch], [s.metadata for s in batch]
-                )
-            if pending is not None:
-                rows += _write_batch(out, lines, rewards.names, *pending, seconds)
-                bar.update(len(pending[0]))
-            pending = None if batch is None else (batch, images, future)
+    with (out / "samples.jsonl").open("w") as lines:
+        lines.writelines(json.dumps(row) + "\n" for row in rows)
     summary = summarize(rows, rewards.names)
-    summary["settings"] = asdict(settings) | {
-        "prompt_file": str(resolve_prompt_set(settings.prompts))
-    }
+    prompt_file = str(resolve_prompt_set(settings.prompts))
+    summary["settings"] = asdict(settings) | {"prompt_file": prompt_file}
     summary["reward_seconds"] = seconds
     summary["label"] = settings.label or out.name
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_json_number))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.md").write_text(summary_markdown(summary))
     save_grid([out / row["image"] for row in rows[:16]], out / "grid.png")
     return out
 
 
-def _write_batch(out, lines, names, batch, images, future, seconds) -> list[dict[str, Any]]:
-    values, timing = future.result()
-    for name, value in timing.items():
-        seconds[name] += value
-    rows = []
-    for sample, image, scores in zip(batch, to_uint8_images(images), values.tolist(), strict=True):
-        path = f"images/{sample.index:05d}.png"
-        Image.fromarray(image).save(out / path)
-        row = {
-            "index": sample.index,
-            "prompt_index": sample.prompt_index,
-            "seed": sample.seed,
-            "prompt": sample.prompt,
-            "tag": sample.metadata.get("tag"),
-            "image": path,
-            **{name: (None if math.isnan(v) else v) for name, v in zip(names, scores, strict=True)},
-        }
-        lines.write(json.dumps(row) + "\n")
-        rows.append(row)
-    return rows
+def image_path(sample: Sample) -> str:
+    return f"images/{sample.index:05d}.png"
+
+
+def sample_row(sample: Sample, names: Sequence[str], scores: Sequence[float]) -> dict[str, Any]:
+    """One JSONL line: the sample, its image file and its scores (null: not applicable)."""
+    return {
+        "index": sample.index,
+        "prompt_index": sample.prompt_index,
+        "seed": sample.seed,
+        "prompt": sample.prompt,
+        "tag": sample.metadata.get("tag"),
+        "image": image_path(sample),
+        **{name: None if math.isnan(v) else v for name, v in zip(names, scores, strict=True)},
+    }
 
 
 def bootstrap_interval(
@@ -299,9 +287,3 @@ def save_grid(paths: Sequence[Path], target: Path, columns: int = 4) -> None:
     for i, tile in enumerate(tiles):
         grid.paste(tile.resize((width, height)), ((i % columns) * width, (i // columns) * height))
     grid.save(target)
-
-
-def _json_number(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")

@@ -78,6 +78,7 @@ def rollout(
     shift: float | None = None,
     max_sequence_length: int = 256,
     progress: bool = False,
+    on_images: Callable[[slice, torch.Tensor], object] | None = None,
 ) -> RolloutBatch:
     """Sample ``images_per_prompt`` images for each prompt with ``adapter``'s velocity, no grad.
 
@@ -85,7 +86,9 @@ def rollout(
     image; the empty prompt by default). ``noise`` [B, C, h, w] replaces the initial noise
     drawn from ``generator``. ``batch_size`` images go through the sampler at a time;
     deterministic samplers give the same images for any ``batch_size``. ``shift`` defaults
-    to the pipeline scheduler's. ``noise_level`` is the SDE sampler's eta.
+    to the pipeline scheduler's. ``noise_level`` is the SDE sampler's eta. ``on_images``
+    is called with each chunk's rows and decoded images as soon as they exist, so rewards
+    can score them while the next chunk samples.
     """
     _check_rollout_args(prompts, images_per_prompt, sampler, adapter, noise_level, batch_size)
     if shift is None:
@@ -97,7 +100,7 @@ def rollout(
     embeds = embeds.repeat_interleave(images_per_prompt)
     negative = _negative_rows(policy, guidance_scale, negative_embeds, total, max_sequence_length)
     chunk = batch_size or total
-    latents = []
+    latents, images = [], []
     with (
         torch.no_grad(),
         policy.use_adapter(adapter),
@@ -109,13 +112,15 @@ def rollout(
             v = _guided_velocity(policy, embeds.index(rows), uncond, guidance_scale, adapter)
             x0 = integrate(v, noise[rows], sigmas, sampler, noise_level, generator, bar.update)
             latents.append(x0)
-    latents = torch.cat(latents)
+            images.append(policy.decode(x0))
+            if on_images is not None:
+                on_images(rows, images[-1])
     return RolloutBatch(
         prompts=[p for p in prompts for _ in range(images_per_prompt)],
         group_ids=torch.arange(len(prompts)).repeat_interleave(images_per_prompt),
         embeds=embeds,
-        latents=latents,
-        images=policy.decode(latents, batch_size),
+        latents=torch.cat(latents),
+        images=torch.cat(images),
         sigmas=sigmas,
     )
 

@@ -40,6 +40,7 @@ from mogradient_diffusion.policy import LoraSpec, ParameterEMA, Policy, old_deca
 from mogradient_diffusion.prompt_setup import build_prompt_sampler
 from mogradient_diffusion.prompts import SampledPrompt
 from mogradient_diffusion.rewards import RewardSet, make_reward
+from mogradient_diffusion.rewards.background import BackgroundScoring
 from mogradient_diffusion.rollout import RolloutBatch, rollout
 from mogradient_diffusion.runlog import RunLog
 from mogradient_diffusion.strategies import Strategy, build_strategy
@@ -138,6 +139,12 @@ class Trainer:
         times: dict[str, float] = {}
         started = time.perf_counter()
         drawn = self._epoch_prompts()
+        per_image = self.config.rollout.images_per_prompt
+        prompts = [item.prompt for item in drawn for _ in range(per_image)]
+        metadata = [item.metadata for item in drawn for _ in range(per_image)]
+        background = None
+        if self.config.rollout.overlap_rewards:
+            background = BackgroundScoring(self.rewards, prompts, metadata)
         batch = rollout(
             self.policy,
             [item.prompt for item in drawn],
@@ -151,12 +158,14 @@ class Trainer:
             batch_size=self.config.rollout.batch_size,
             max_sequence_length=self.config.rollout.max_sequence_length,
             progress=self.world.is_main and not self.config.run.quiet,
+            on_images=None if background is None else background.submit,
         )
         times["time/rollout"] = time.perf_counter() - started
-        started = time.perf_counter()
-        per_image = self.config.rollout.images_per_prompt
-        metadata = [item.metadata for item in drawn for _ in range(per_image)]
-        rewards, reward_seconds = self.rewards(batch.images, batch.prompts, metadata)
+        started = time.perf_counter()  # overlapped: only the wait after sampling is counted
+        if background is not None:
+            rewards, reward_seconds = background.collect()
+        else:
+            rewards, reward_seconds = self.rewards(batch.images, prompts, metadata)
         times["time/reward"] = time.perf_counter() - started
         advantages, stats = self._advantages(rewards, batch)
         started = time.perf_counter()

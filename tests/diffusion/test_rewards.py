@@ -33,6 +33,7 @@ from mogradient_diffusion.rewards import (
     text_match_score,
 )
 from mogradient_diffusion.rewards import registry as registry_module
+from mogradient_diffusion.rewards.background import BackgroundScoring
 from mogradient_diffusion.rewards.color import COLORS
 
 
@@ -383,3 +384,33 @@ def test_count_match():
     prompts = ["three red disks", "two red disks", "six red disks", "red disks"]
     scores = CountMatch()(image.expand(4, -1, -1, -1), prompts)
     torch.testing.assert_close(scores, torch.tensor([1.0, 0.5, 0.5, math.nan]), equal_nan=True)
+
+
+# --- scoring in the background --------------------------------------------------------------
+
+
+def test_background_scoring_equals_scoring_the_whole_batch_in_order():
+    images = torch.rand(7, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    first = Constant(lambda images, prompts: images[:, 0, 0, 0], name="first")
+    second = Constant(lambda images, prompts: images[:, 1, 2, 3], name="second")
+    rewards = RewardSet([first, second])
+    prompts = [f"p{i}" for i in range(7)]
+    metadata = [{"i": i} for i in range(7)]
+    background = BackgroundScoring(rewards, prompts, metadata)
+    for start in range(0, 7, 3):
+        background.submit(slice(start, start + 3), images[start : start + 3])
+    values, seconds = background.collect()
+    torch.testing.assert_close(values, rewards(images, prompts, metadata).values)
+    assert first.chunks == [3, 3, 1, 7] and first.metadata == metadata
+    assert set(seconds) == {"first", "second"}
+
+
+def test_background_scoring_raises_the_reward_error_on_collect():
+    def broken(images, prompts):
+        raise RuntimeError("model exploded")
+
+    background = BackgroundScoring(RewardSet([Constant(broken, name="broken")]), ["a", "b"])
+    background.submit(slice(0, 1), torch.rand(1, 3, 4, 4))
+    background.submit(slice(1, 2), torch.rand(1, 3, 4, 4))
+    with pytest.raises(RewardError, match="'broken' failed: model exploded"):
+        background.collect()

@@ -148,6 +148,15 @@ def test_every_strategy_trains(tmp_path: Path, overrides: list[str]) -> None:
             assert math.isfinite(step["grad_norm"])
 
 
+def test_rewards_overlapped_with_sampling_give_the_same_run(tmp_path: Path) -> None:
+    chunked = ["rollout.batch_size=2", "train.epochs=1"]
+    plain = read_metrics(_run(tmp_path / "plain", *chunked))
+    overlapped = read_metrics(_run(tmp_path / "overlap", *chunked, "rollout.overlap_rewards=true"))
+    for key, value in plain[0].items():
+        if key.startswith(("reward/", "advantage/")) and not key.startswith("time/"):
+            assert overlapped[0][key] == value, key
+
+
 def test_sequential_switches_stage(tmp_path: Path) -> None:
     stages = (
         "strategy.stages=[{rewards: [color_match], epochs: 1}, "
