@@ -3,8 +3,8 @@
 Importing the package registers the built-in rewards: offline ones (``ocr``,
 ``jpeg_compressibility``, ``jpeg_incompressibility``, ``color_match``, ``count_match``)
 model-based ones that load local weights (``pickscore``, ``clipscore``, ``hpsv21``,
-``aesthetic``, ``image_reward``) and ``unified_reward``, a client of a VLM served over
-HTTP; user rewards register the same way with ``@register_reward``.
+``aesthetic``, ``image_reward``, ``geneval``, ``geneval_strict``) and ``unified_reward``,
+a client of a VLM served over HTTP; user rewards register with ``@register_reward``.
 """
 
 from .aesthetic import Aesthetic
@@ -12,6 +12,7 @@ from .base import Reward, RewardError, to_uint8_images
 from .clip_similarity import ClipScore, HpsV21, PickScore
 from .color import ColorMatch, classify_pixels, colors_in_prompt
 from .count import CountMatch, count_in_prompt, count_objects
+from .geneval import GenEval, GenEvalStrict
 from .image_reward import ImageReward
 from .jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kilobytes
 from .local_weights import MissingWeightsError
@@ -26,6 +27,8 @@ __all__ = [
     "ClipScore",
     "ColorMatch",
     "CountMatch",
+    "GenEval",
+    "GenEvalStrict",
     "HpsV21",
     "ImageReward",
     "JpegCompressibility",
