@@ -47,11 +47,12 @@ class TinySD3Spec:
     clip_hidden: int = 16
     t5_width: int = 32
     vae_width: int = 8
+    vae_blocks: int = 4  # 2 ** (vae_blocks - 1) pixels per latent: 8 like SD3's VAE
     seed: int = 0
 
     @property
     def latent_size(self) -> int:
-        return self.resolution // 8
+        return self.resolution // 2 ** (self.vae_blocks - 1)
 
 
 def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...] = ()):
@@ -113,9 +114,9 @@ def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...
     vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4,
-        block_out_channels=[spec.vae_width] * 4,
+        down_block_types=["DownEncoderBlock2D"] * spec.vae_blocks,
+        up_block_types=["UpDecoderBlock2D"] * spec.vae_blocks,
+        block_out_channels=[spec.vae_width] * spec.vae_blocks,
         layers_per_block=1,
         latent_channels=spec.latent_channels,
         norm_num_groups=min(4, spec.vae_width),

@@ -1,0 +1,6 @@
+"""MARBLE in miniature: a procedural image world, its rewards, a small SD3 trained on it.
+
+``world`` renders scenes and writes the three prompt sources (general, text,
+compositional) with GenEval-style metadata; ``vision`` finds the shapes in an image;
+``rewards`` turns that (and Tesseract, and learned scorers) into the paper's reward mix.
+"""
