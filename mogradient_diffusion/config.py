@@ -125,6 +125,9 @@ class RunConfig:
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     quiet: bool = False
+    # Per-reward gradients on every optimizer step (any strategy, cached steps too), to log
+    # cos(update, g_k) for the conflict statistics; costs K extra gradients per step.
+    conflict_probe: bool = False
 
 
 @dataclass

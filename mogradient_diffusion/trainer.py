@@ -56,6 +56,7 @@ class MicroBatch:
     embeds: Any
     advantages: torch.Tensor
     sigma_order: torch.Tensor  # [rows, timesteps]: indices into the sampler's sigmas
+    reward_advantages: torch.Tensor | None = None  # per-reward, for the conflict probe
 
 
 class Trainer:
@@ -99,6 +100,7 @@ class Trainer:
         )
         self.epoch = 0
         self.optimizer_step = 0
+        self._reward_advantages: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- run
     def run(self) -> Path:
@@ -201,9 +203,17 @@ class Trainer:
             clip=self.config.nft.a_max,
         )
         advantages, silent = mask_silent_objectives(advantages)
-        rows = len(rewards)
-        local = advantages[self.world.rank * rows : (self.world.rank + 1) * rows]
-        return local, {"all_rewards": all_rewards, "silent": silent, **stats}
+        rows = slice(self.world.rank * len(rewards), (self.world.rank + 1) * len(rewards))
+        self._reward_advantages = None
+        if self.config.run.conflict_probe:
+            per_reward, _ = group_advantages(
+                all_rewards,
+                all_groups,
+                std=self.config.nft.advantage_std,
+                clip=self.config.nft.a_max,
+            )
+            self._reward_advantages = mask_silent_objectives(per_reward)[0][rows]
+        return advantages[rows], {"all_rewards": all_rewards, "silent": silent, **stats}
 
     # ------------------------------------------------------------ training
     def _train_on(self, batch: RolloutBatch, advantages: torch.Tensor) -> list[dict[str, Any]]:
@@ -232,6 +242,7 @@ class Trainer:
         if not full:  # weight-only or cached: every rank applies rank 0's weights
             cached = self.strategy.weights(None, count)
             cached = dataclasses.replace(cached, weights=self.world.broadcast(cached.weights))
+        probe_noise = generator.get_state() if self.config.run.conflict_probe else None
         started = time.perf_counter()
         jacobian = accumulate_gradients(
             self._loss_stream(group, generator),
@@ -261,6 +272,8 @@ class Trainer:
         else:
             step = cached
             weights = step.weights
+        if probe_noise is not None and "harmonize/cos_min" not in record:
+            record.update(self._conflict_probe(group, probe_noise))
         record["time/harmonize"] = time.perf_counter() - harmonize_started
         optimizer_started = time.perf_counter()
         record["solved"] = int(full)
@@ -275,6 +288,34 @@ class Trainer:
         self.optimizer_step += 1
         record["time/optimizer"] = time.perf_counter() - optimizer_started
         return record
+
+    def _conflict_probe(self, group: list[MicroBatch], noise_state: torch.Tensor) -> dict:
+        """cos(applied update, g_k) for every reward, on the step's own samples and noise.
+
+        For steps that did not compute per-reward gradients (scalar baselines, cached
+        MARBLE steps): K more gradients from per-reward advantages, replaying the noise the
+        step drew, against the gradient about to be applied (``.grad``, KL term included).
+        """
+        generator = torch.Generator()
+        generator.set_state(noise_state)
+        probe = [dataclasses.replace(m, advantages=m.reward_advantages) for m in group]
+        probe = self._mask_silent_in_step(probe)
+        count = probe[0].advantages.shape[1]
+        stack = None
+        for scale, loss in self._loss_stream(probe, generator):
+            part = combinable_gradients(loss, self.parameters) * scale
+            stack = part if stack is None else stack.add_(part)
+        stack = self.world.average(stack)
+        direction = torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+            for p in self.parameters
+        ])  # fmt: skip
+        diagnostics = conflict_diagnostics(torch.ones(count), jacobian=stack, direction=direction)
+        return {  # no weight/k: the probe's unit weights only set the round-off tolerance
+            f"harmonize/{k}": v
+            for k, v in diagnostics.items()
+            if not isinstance(v, list) and not k.startswith("weight/")
+        }
 
     def _mask_silent_in_step(self, group: list[MicroBatch]) -> list[MicroBatch]:
         """Per step, as per epoch: objectives with no nonzero advantage on any rank sit out."""
@@ -337,6 +378,9 @@ class Trainer:
             embeds=batch.embeds.index(rows),
             advantages=advantages[rows],
             sigma_order=order,
+            reward_advantages=(
+                None if self._reward_advantages is None else self._reward_advantages[rows]
+            ),
         )
 
     @property

@@ -157,6 +157,33 @@ def test_rewards_overlapped_with_sampling_give_the_same_run(tmp_path: Path) -> N
             assert overlapped[0][key] == value, key
 
 
+def test_conflict_probe_measures_without_changing_the_run(tmp_path: Path) -> None:
+    plain = read_metrics(_run(tmp_path / "plain", "strategy.name=weighted_sum"))
+    probed = read_metrics(
+        _run(tmp_path / "probed", "strategy.name=weighted_sum", "run.conflict_probe=true")
+    )
+    for before, after in zip(plain, probed, strict=True):
+        assert before["reward/color_match/mean"] == after["reward/color_match/mean"]
+        for step_before, step_after in zip(
+            before["optimizer_steps"], after["optimizer_steps"], strict=True
+        ):
+            assert step_before["grad_norm"] == step_after["grad_norm"]
+            assert -1 <= step_after["harmonize/cos_min"] <= step_after["harmonize/cos_mean"] <= 1
+            assert "harmonize/cos_min" not in step_before
+
+
+def test_conflict_probe_of_a_single_reward_run_is_parallel_to_its_update(tmp_path: Path) -> None:
+    # Without the KL term the single-reward update is exactly that reward's gradient.
+    overrides = ["strategy.reward=jpeg_incompressibility", "nft.kl_coefficient=0"]
+    records = read_metrics(
+        _run(tmp_path, "strategy.name=single", *overrides, "run.conflict_probe=true")
+    )
+    steps = [step for record in records for step in record["optimizer_steps"]]
+    assert steps and not any(step["harmonize/stationary"] for step in steps)
+    for step in steps:  # reward 1 is jpeg_incompressibility
+        assert step["harmonize/cos/1"] == pytest.approx(1.0, abs=1e-5)
+
+
 def test_sequential_switches_stage(tmp_path: Path) -> None:
     stages = (
         "strategy.stages=[{rewards: [color_match], epochs: 1}, "
