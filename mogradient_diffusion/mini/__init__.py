@@ -3,4 +3,7 @@
 ``world`` renders scenes and writes the three prompt sources (general, text,
 compositional) with GenEval-style metadata; ``vision`` finds the shapes in an image;
 ``rewards`` turns that (and Tesseract, and learned scorers) into the paper's reward mix.
+Importing the package registers the miniature's rewards.
 """
+
+from mogradient_diffusion.mini import rewards as rewards

@@ -138,7 +138,7 @@ def compositional_prompts() -> list[MiniPrompt]:
     colour_names = list(COLOURS)
     for i, (a, b) in enumerate(pairs):
         for j, ca in enumerate(colour_names):
-            cb = colour_names[(j + 1 + i) % len(colour_names)]
+            cb = colour_names[(j + 1 + i % 4) % len(colour_names)]  # never colour a
             prompts.append(
                 MiniPrompt(
                     f"a {ca} {a} and a {cb} {b}",

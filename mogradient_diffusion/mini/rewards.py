@@ -1,0 +1,221 @@
+"""The miniature's rule-based rewards: counts, GenEval binding and strict OCR on ``world`` prompts.
+
+All read the GenEval-format metadata ``world`` writes (``tag``, ``include``, ``text``)
+and are NaN where it does not apply (another tag, or no metadata). The shape rewards run
+``vision.detect_shapes`` (the GenEval detector analogue), keep detections scoring above
+GenEval's 0.3 threshold with ``geneval_rules.select_objects`` and score them:
+
+* ``mini_count`` (tag ``counting``): graded, mean over include entries of
+  ``max(0, 1 - |found - asked| / asked)`` where ``found`` counts detections of the
+  entry's shape *and* colour (Flow-GRPO's count term, clamped per entry).
+* ``mini_count_strict`` (``counting``): 1 if every entry's count is exact, else 0. Note
+  GenEval's own rule (``mini_binding_strict`` on counting prompts) accepts ``>= count``;
+  this held-out metric does not: four squares for "three squares" fail here.
+* ``mini_binding`` (``color_attr``, ``position``): ``geneval_rules.partial_score``,
+  Flow-GRPO's graded GenEval training reward.
+* ``mini_binding_strict`` (``color_attr``, ``position``, ``counting``):
+  ``geneval_rules.strict_correct``, GenEval's accuracy (the held-out metric).
+* ``mini_ocr_strict`` (``text``): 1 if Tesseract's normalized reading contains the
+  metadata's word (so an exact reading passes), else 0: the exact-read case of the
+  training ``ocr`` reward, which it wraps.
+
+GenEval keeps only detections above 0.9 on counting prompts, because Mask2Former emits
+low-confidence duplicates of one object; connected components never duplicate, so one
+threshold (``threshold``, default GenEval's 0.3) serves every tag here.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from mogradient_diffusion.rewards.base import Metadata, Reward, nan_scores, to_uint8_images
+from mogradient_diffusion.rewards.geneval_rules import (
+    THRESHOLD,
+    Detection,
+    Objects,
+    partial_score,
+    select_objects,
+    strict_correct,
+    validate_metadata,
+)
+from mogradient_diffusion.rewards.ocr import OcrReward
+from mogradient_diffusion.rewards.registry import register_reward
+
+from .vision import detect_shapes_batch
+
+
+def count_found(objects: Objects, entry: Mapping[str, Any]) -> int:
+    """How many kept detections match an include entry's shape and (if given) colour."""
+    return sum(
+        "color" not in entry or det.colour == entry["color"]
+        for det in objects.get(entry["class"], ())
+    )
+
+
+def count_score(objects: Objects, metadata: Mapping[str, Any]) -> float:
+    """Mean over include entries of ``max(0, 1 - |found - asked| / asked)``, in [0, 1]."""
+    terms = []
+    for entry in metadata["include"]:
+        asked = int(entry.get("count", 1))
+        terms.append(max(0.0, 1.0 - abs(count_found(objects, entry) - asked) / asked))
+    return sum(terms) / len(terms) if terms else 0.0
+
+
+def count_exact(objects: Objects, metadata: Mapping[str, Any]) -> bool:
+    """Every include entry found exactly as often as asked (not GenEval's ``>=``)."""
+    return all(
+        count_found(objects, entry) == int(entry.get("count", 1)) for entry in metadata["include"]
+    )
+
+
+class MiniShapeReward(Reward):
+    """Base of the detector-based rewards: NaN outside ``tags``, else ``score_objects``.
+
+    Options: ``threshold`` (detection score a kept object must exceed) and the detector's
+    ``tolerance``, ``max_residual``, ``min_alpha``, ``min_area`` (see ``vision``).
+    """
+
+    tags: ClassVar[frozenset[str]]
+    value_range = (0.0, 1.0)
+
+    def __init__(
+        self,
+        threshold: float = THRESHOLD,
+        tolerance: float = 40.0,
+        max_residual: float = 60.0,
+        min_alpha: float = 0.5,
+        min_area: float = 12.0,
+        device: str | torch.device | None = None,
+        batch_size: int | None = None,
+    ):
+        super().__init__(device, batch_size)
+        if not 0 <= threshold < 1:
+            raise ValueError(f"{self.name}: threshold must lie in [0, 1), got {threshold}")
+        self.threshold = threshold
+        self.detector_options = {
+            "tolerance": tolerance,
+            "max_residual": max_residual,
+            "min_alpha": min_alpha,
+            "min_area": min_area,
+        }
+
+    def applies(self, metadata: Mapping[str, Any] | None) -> bool:
+        """Whether a sample's metadata carries one of this reward's tags."""
+        return isinstance(metadata, Mapping) and metadata.get("tag") in self.tags
+
+    def detect(self, images: Tensor) -> list[list[Detection]]:
+        """Detections of [b, 3, H, W] images in [0, 1] (all shapes, before thresholding)."""
+        return detect_shapes_batch(to_uint8_images(images), **self.detector_options)
+
+    @abstractmethod
+    def score_objects(self, objects: Objects, metadata: Mapping[str, Any]) -> float:
+        """The score of one applicable image from its kept detections, by class."""
+
+    def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
+        scores = nan_scores(len(prompts))
+        if metadata is None:
+            return scores
+        todo = [i for i, meta in enumerate(metadata) if self.applies(meta)]
+        if not todo:
+            return scores
+        for i in todo:
+            validate_metadata(metadata[i])
+        for i, detections in zip(todo, self.detect(images[todo]), strict=True):
+            objects = select_objects(detections, self.threshold)
+            scores[i] = float(self.score_objects(objects, metadata[i]))
+        return scores
+
+
+@register_reward
+class MiniCount(MiniShapeReward):
+    """Graded count of colour-and-shape-matched objects on counting prompts (training)."""
+
+    name = "mini_count"
+    tags = frozenset({"counting"})
+
+    def score_objects(self, objects: Objects, metadata: Mapping[str, Any]) -> float:
+        return count_score(objects, metadata)
+
+
+@register_reward
+class MiniCountStrict(MiniShapeReward):
+    """1 if every count on a counting prompt is exact, else 0 (held-out metric)."""
+
+    name = "mini_count_strict"
+    tags = frozenset({"counting"})
+
+    def score_objects(self, objects: Objects, metadata: Mapping[str, Any]) -> float:
+        return float(count_exact(objects, metadata))
+
+
+@register_reward
+class MiniBinding(MiniShapeReward):
+    """Flow-GRPO's graded GenEval reward on colour-binding and position prompts."""
+
+    name = "mini_binding"
+    tags = frozenset({"color_attr", "position"})
+
+    def score_objects(self, objects: Objects, metadata: Mapping[str, Any]) -> float:
+        return partial_score(objects, metadata)
+
+
+@register_reward
+class MiniBindingStrict(MiniShapeReward):
+    """GenEval's accuracy on colour, position and counting prompts (held-out metric)."""
+
+    name = "mini_binding_strict"
+    tags = frozenset({"color_attr", "position", "counting"})
+
+    def score_objects(self, objects: Objects, metadata: Mapping[str, Any]) -> float:
+        return float(strict_correct(objects, metadata))
+
+
+@register_reward
+class MiniOcrStrict(Reward):
+    """1 if Tesseract reads the sign's word (substring rule) on text prompts, else 0.
+
+    Wraps the training ``ocr`` reward (its options: ``psm``, ``lang``, ``min_side``,
+    ``workers``, ``timeout``, ``tesseract_cmd``), reading with the same settings, so this
+    is 1 exactly where ``ocr`` scores 1 against the metadata's ``text``.
+    """
+
+    name = "mini_ocr_strict"
+    value_range = (0.0, 1.0)
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        batch_size: int | None = None,
+        **ocr_options: Any,
+    ):
+        super().__init__(device, batch_size)
+        if "substring_match" in ocr_options:
+            raise TypeError("mini_ocr_strict always uses the substring rule")
+        self.ocr = OcrReward(substring_match=True, **ocr_options)
+
+    @staticmethod
+    def target(metadata: Mapping[str, Any] | None) -> str | None:
+        """The word a text prompt's sign must show; None where the reward is n/a."""
+        if not isinstance(metadata, Mapping) or metadata.get("tag") != "text":
+            return None
+        word = metadata.get("text")
+        if not isinstance(word, str) or not word.strip() or '"' in word:
+            raise ValueError(f"mini_ocr_strict: text metadata needs a word, got {word!r}")
+        return word
+
+    def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
+        scores = nan_scores(len(prompts))
+        if metadata is None:
+            return scores
+        targets = [self.target(meta) for meta in metadata]
+        todo = [i for i, word in enumerate(targets) if word is not None]
+        if todo:
+            quoted: Sequence[str] = [f'"{targets[i]}"' for i in todo]
+            read = self.ocr(images[todo], quoted)
+            scores[todo] = (read == 1.0).float()
+        return scores
