@@ -8,6 +8,7 @@ says how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 import typing
 from dataclasses import dataclass, field
@@ -296,6 +297,17 @@ def _check_batch_arithmetic(config: TrainingConfig, world_size: int) -> None:
         raise ConfigError("rollout.images_per_prompt must be >= 2: advantages compare a group")
 
 
+def _check_reward_options(reward: RewardConfig, cls: type) -> None:
+    """Option names checked against the reward's constructor, before any weights load."""
+    parameters = inspect.signature(cls.__init__).parameters
+    accepted = [name for name in parameters if name != "self"]
+    unknown = sorted(set(reward.options) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"reward {reward.name!r} has no option(s) {unknown}; its options: {accepted}"
+        )
+
+
 def _check_rewards_and_strategy(config: TrainingConfig) -> None:
     from mogradient.harmonizers import HARMONIZERS
     from mogradient_diffusion.rewards import REWARDS
@@ -309,6 +321,8 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
         raise ConfigError(f"unknown reward(s) {unknown_rewards}; registered: {sorted(REWARDS)}")
     if len(set(names)) != len(names):
         raise ConfigError(f"duplicate rewards in `rewards:`: {names}")
+    for reward in config.rewards:
+        _check_reward_options(reward, REWARDS[reward.name])
     known = set(STRATEGIES) | set(HARMONIZERS)
     if strategy.name not in known:
         raise ConfigError(f"unknown strategy.name {strategy.name!r}; choose one of {sorted(known)}")
