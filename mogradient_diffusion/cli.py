@@ -84,6 +84,12 @@ def _add_eval_parser(commands) -> None:
     evaluate.add_argument("--dtype", default="float32")
     evaluate.add_argument("--label", help="row name in `compare` (default: the folder name)")
     evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+    evaluate.add_argument(
+        "--reward-module",
+        action="append",
+        default=[],
+        help="module to import for user-registered rewards (repeatable)",
+    )
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -109,10 +115,12 @@ def _eval(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             label=args.label,
             progress=not args.quiet,
+            reward_modules=args.reward_module,
         )
         settings.validate()
         out = evaluate(settings)
     except (ValueError, FileNotFoundError, MissingWeightsError, RewardError) as error:
+        # ConfigError (a bad --reward-module) is a ValueError too.
         print(f"mogradient-diffusion eval: {error}", file=sys.stderr)
         return 2
     print(f"evaluation written to {out} (summary.md, summary.json, samples.jsonl, grid.png)")

@@ -24,9 +24,14 @@ def read_summary(directory: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def metric_value(entry: dict[str, Any]) -> float:
-    """The headline number: GenEval-style mean over tags where present, else the mean."""
-    value = entry.get("mean_over_tags", entry.get("mean"))
+# GenEval reports the mean over its tags (single_object, counting, ...), not over images.
+TAG_AVERAGED = ("geneval", "geneval_strict")
+
+
+def metric_value(name: str, entry: dict[str, Any]) -> float:
+    """The headline number: GenEval's mean over tags for its metrics, else the image mean."""
+    value = entry.get("mean_over_tags") if name in TAG_AVERAGED else None
+    value = entry.get("mean") if value is None else value
     return math.nan if value is None else float(value)
 
 
@@ -51,19 +56,19 @@ def comparison_table(directories: Sequence[str | Path]) -> str:
     summaries = [read_summary(d) for d in directories]
     metrics = list(dict.fromkeys(m for s in summaries for m in s["metrics"]))
     table = [
-        {m: metric_value(s["metrics"][m]) if m in s["metrics"] else math.nan for m in metrics}
+        {m: metric_value(m, s["metrics"][m]) if m in s["metrics"] else math.nan for m in metrics}
         for s in summaries
     ]
     for row, composite in zip(table, composite_scores(table, metrics), strict=True):
         row["composite"] = composite
     columns = [*metrics, "composite"]
-    marks = {column: _ranks([row[column] for row in table]) for column in columns}
+    marks = {column: rank_marks([row[column] for row in table]) for column in columns}
     lines = [
         "| model | " + " | ".join(columns) + " |",
         "|---|" + "---|" * len(columns),
     ]
     for i, (summary, row) in enumerate(zip(summaries, table, strict=True)):
-        cells = [_cell(row[c], marks[c].get(i)) for c in columns]
+        cells = [format_cell(row[c], marks[c].get(i)) for c in columns]
         lines.append(f"| {summary.get('label', directories[i])} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -73,14 +78,15 @@ def comparison_table(directories: Sequence[str | Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ranks(values: list[float]) -> dict[int, int]:
+def rank_marks(values: list[float]) -> dict[int, int]:
     """{row index: 1 or 2} for the best and second-best finite values (ties share a rank)."""
     finite = sorted({v for v in values if not math.isnan(v)}, reverse=True)[:2]
     return {i: finite.index(v) + 1 for i, v in enumerate(values) if v in finite}
 
 
-def _cell(value: float, rank: int | None) -> str:
+def format_cell(value: float, rank: int | None, text: str | None = None) -> str:
+    """``value`` (or a given ``text`` for it) bold when ranked 1, underlined when 2."""
     if math.isnan(value):
         return "–"
-    text = f"{value:.3f}"
+    text = f"{value:.3f}" if text is None else text
     return {1: f"**{text}**", 2: f"<u>{text}</u>"}.get(rank, text)

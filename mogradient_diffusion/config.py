@@ -8,6 +8,7 @@ says how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import types
 import typing
@@ -139,6 +140,8 @@ class TrainingConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     nft: NFTSettings = field(default_factory=NFTSettings)
+    # Modules imported before the rewards are looked up: where user rewards register.
+    reward_modules: list[str] = field(default_factory=list)
     rewards: list[RewardConfig] = field(default_factory=list)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -297,6 +300,15 @@ def _check_batch_arithmetic(config: TrainingConfig, world_size: int) -> None:
         raise ConfigError("rollout.images_per_prompt must be >= 2: advantages compare a group")
 
 
+def import_reward_modules(modules: list[str]) -> None:
+    """Import the modules whose ``@register_reward`` classes a config names."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise ConfigError(f"reward_modules: cannot import {module!r}: {error}") from error
+
+
 def _check_reward_options(reward: RewardConfig, cls: type) -> None:
     """Option names checked against the reward's constructor, before any weights load."""
     parameters = inspect.signature(cls.__init__).parameters
@@ -313,6 +325,7 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
     from mogradient_diffusion.rewards import REWARDS
 
     strategy = config.strategy
+    import_reward_modules(config.reward_modules)
     names = [reward.name for reward in config.rewards]
     if not names:
         raise ConfigError("no rewards configured: add at least one entry under `rewards:`")

@@ -50,11 +50,14 @@ class EvalSettings:
     dtype: str = "float32"
     label: str | None = None  # row name in `compare`; default: the output folder's name
     progress: bool = True
+    reward_modules: list[str] = field(default_factory=list)  # where user rewards register
 
     def validate(self) -> None:
         """Fail before any model loads: bad numbers, unknown metrics, missing prompt file."""
+        from mogradient_diffusion.config import import_reward_modules
         from mogradient_diffusion.rewards import REWARDS
 
+        import_reward_modules(self.reward_modules)
         checks = {
             "steps": self.steps >= 1,
             "images_per_prompt": self.images_per_prompt >= 1,
