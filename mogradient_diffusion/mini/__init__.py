@@ -7,3 +7,4 @@ Importing the package registers the miniature's rewards.
 """
 
 from mogradient_diffusion.mini import rewards as rewards
+from mogradient_diffusion.mini import scorers as scorers
