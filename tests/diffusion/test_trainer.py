@@ -325,6 +325,7 @@ def test_killed_run_resumes_and_reproduces_the_uninterrupted_one(tmp_path: Path)
         ("strategy.dropout_probability=2", "strategy.dropout_probability"),
         ("strategy.weights=[0, 0]", "strategy.weights"),
         ("rewards=[{name: nosuch}]", "unknown reward"),
+        ("reward_modules=[no_such_module]", "cannot import 'no_such_module'"),
         ("rewards=[{name: pickscore, options: {model_dir: /w}}]", "has no option.*model_dir"),
         ("prompts.sources=[{name: a, file: a.txt}]", "prompts.directory"),
         ("train.learning_rate=[1,", "not valid YAML"),
