@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: demo test lint bench clean
+.PHONY: demo toys mini test lint bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# Debian's Tesseract for the OCR reward (skipped when already on PATH).
@@ -18,8 +18,17 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,diffusion]" -c $(CONSTRAINTS)
 	touch $(STAMP)
 
+# The main job: MARBLE in miniature, quick mode (base vs weighted sum vs MARBLE).
 demo: $(STAMP)
+	$(PY) -m mogradient_diffusion.mini.benchmark --mode quick --out results/mini_quick
+
+# Every harmonizer on the toy problems.
+toys: $(STAMP)
 	$(PY) -m mogradient.demo --out results/demo
+
+# The whole miniature head-to-head (every method, 3 seeds, ablations): ~1-2 h on 2 cores.
+mini: $(STAMP)
+	$(PY) -m mogradient_diffusion.mini.benchmark --mode full --out benchmarks/results/mini
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -48,6 +48,7 @@ class TinySD3Spec:
     t5_width: int = 32
     vae_width: int = 8
     vae_blocks: int = 4  # 2 ** (vae_blocks - 1) pixels per latent: 8 like SD3's VAE
+    clip_max_length: int = CLIP_MAX_LENGTH  # CLIP tokens per prompt (SD3 pads to this)
     seed: int = 0
 
     @property
@@ -67,7 +68,7 @@ def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...
 
     vocabulary = tuple(dict.fromkeys(DEFAULT_WORDS + tuple(w.lower() for w in words)))
     torch.manual_seed(spec.seed)
-    clip_tokenizer = _clip_tokenizer(vocabulary)
+    clip_tokenizer = _clip_tokenizer(vocabulary, spec.clip_max_length)
     t5_tokenizer = _t5_tokenizer(vocabulary)
     clip_config = {
         "vocab_size": len(clip_tokenizer.get_vocab()),
@@ -75,7 +76,7 @@ def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...
         "intermediate_size": 2 * spec.clip_hidden,
         "num_hidden_layers": 1,
         "num_attention_heads": 2,
-        "max_position_embeddings": CLIP_MAX_LENGTH,
+        "max_position_embeddings": spec.clip_max_length,
         "projection_dim": spec.t5_width // 2,
         "bos_token_id": clip_tokenizer.bos_token_id,
         "eos_token_id": clip_tokenizer.eos_token_id,
@@ -147,7 +148,7 @@ def save_tiny_pipeline(
     return directory
 
 
-def _clip_tokenizer(vocabulary: tuple[str, ...]):
+def _clip_tokenizer(vocabulary: tuple[str, ...], max_length: int = CLIP_MAX_LENGTH):
     """Byte-pair tokenizer: single characters plus merges that spell each known word."""
     from transformers import CLIPTokenizer
 
@@ -171,7 +172,7 @@ def _clip_tokenizer(vocabulary: tuple[str, ...]):
         vocab_file, merges_file = Path(folder) / "vocab.json", Path(folder) / "merges.txt"
         vocab_file.write_text(json.dumps(vocab))
         merges_file.write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-        return CLIPTokenizer(str(vocab_file), str(merges_file), model_max_length=CLIP_MAX_LENGTH)
+        return CLIPTokenizer(str(vocab_file), str(merges_file), model_max_length=max_length)
 
 
 def _t5_tokenizer(vocabulary: tuple[str, ...]):

@@ -1,0 +1,281 @@
+"""The head-to-head in miniature: every method on the same sample budget, scored on held-out
+prompts with the training rewards and with metrics no method trained on.
+
+Each (method, seed) is a ``mogradient-diffusion train`` process on the shipped base model
+(``mini/base_model``) with the shared recipe (``mini/config.yaml``), then an ``eval``
+process on the held-out prompts; processes run ``--workers`` at a time, one thread each.
+The aggregate step writes the Table-1 style table, the conflict table (weighted sum vs
+MARBLE, measured with ``run.conflict_probe``), training curves, MARBLE's weights, the cost
+table and per-method sample grids.
+
+    python -m mogradient_diffusion.mini.benchmark --mode full --out benchmarks/results/mini
+    python -m mogradient_diffusion.mini.benchmark --mode quick --out results/mini_quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
+
+HERE = Path(__file__).parent
+BASE_MODEL = HERE / "base_model"
+CONFIG = HERE / "config.yaml"
+TRAIN_REWARDS = ("mini_preference", "mini_alignment", "ocr", "mini_count", "mini_binding")
+HELD_OUT = (
+    "mini_preference_heldout",
+    "mini_count_strict",
+    "mini_binding_strict",
+    "mini_ocr_strict",
+)
+EVAL_STEPS = 16
+
+
+@dataclass(frozen=True)
+class Method:
+    key: str
+    label: str
+    overrides: tuple[str, ...] = ()
+    ablation: bool = False  # ablations run one seed
+    probe: bool = False  # log cos(update, g_k) on every step (conflict table)
+    trains: bool = True
+
+
+@dataclass(frozen=True)
+class Budget:
+    epochs: int
+    seeds: int
+    eval_prompts: int | None  # None: every held-out prompt
+    eval_images: int
+    full: bool  # every baseline and ablation, and the cost runs
+
+
+MODES = {
+    "test": Budget(epochs=1, seeds=1, eval_prompts=6, eval_images=1, full=False),
+    "quick": Budget(epochs=4, seeds=1, eval_prompts=24, eval_images=1, full=False),
+    "full": Budget(epochs=20, seeds=3, eval_prompts=None, eval_images=2, full=True),
+}
+
+
+def methods(budget: Budget) -> list[Method]:
+    """Rows of the head-to-head; quick modes keep base, weighted sum and MARBLE."""
+    base = Method("base", "base model", trains=False)
+    weighted = Method("weighted_sum", "weighted sum", ("strategy.name=weighted_sum",), probe=True)
+    marble = Method("marble", "MARBLE (N=10, rho 0.7)", ("strategy.name=marble",), probe=True)
+    if not budget.full:
+        return [base, weighted, marble]
+    stage = max(1, budget.epochs // len(TRAIN_REWARDS))
+    stages = ", ".join(f"{{rewards: [{r}], epochs: {stage}}}" for r in TRAIN_REWARDS)
+    singles = [
+        Method(f"single_{r}", f"single: {r}", ("strategy.name=single", f"strategy.reward={r}"))
+        for r in TRAIN_REWARDS
+    ]
+    baselines = [
+        Method(
+            "sequential", "sequential", ("strategy.name=sequential", f"strategy.stages=[{stages}]")
+        ),
+        Method("reward_dropout", "reward dropout (p 0.3)", ("strategy.name=reward_dropout",)),
+        Method("pcgrad", "PCGrad", ("strategy.name=pcgrad",)),
+    ]
+    ablations = [
+        Method("marble_no_norm", "MARBLE w/o normalization", ("strategy.normalize=false",), True),
+        Method(
+            "marble_fixed_alpha", "MARBLE fixed equal alpha", ("strategy.fixed_alpha=true",), True
+        ),
+        Method("marble_every_step", "MARBLE solve every step", ("strategy.period=1",), True),
+    ] + [
+        Method(f"marble_rho{rho}", f"MARBLE rho {rho}", (f"strategy.rho={rho}",), True)
+        for rho in (0.1, 0.3, 0.5, 0.9)
+    ]
+    return [base, *singles, weighted, *baselines, marble, *ablations]
+
+
+def cost_methods() -> list[Method]:
+    """Side-by-side timing runs (no probe): the ratios of the paper's cost table."""
+    return [
+        Method("cost_weighted_sum", "weighted sum", ("strategy.name=weighted_sum",)),
+        Method("cost_marble", "MARBLE amortized (N=10)", ("strategy.name=marble",)),
+        Method("cost_marble_every_step", "MARBLE every step (N=1)", ("strategy.period=1",)),
+    ]
+
+
+def write_prompt_files(directory: Path) -> Path:
+    """Training prompts per source (JSONL with metadata) and the held-out evaluation file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    train, held_out = split_prompts(seed=0)
+    for source, prompts in train.items():
+        _write_jsonl(directory / f"{source}.jsonl", prompts)
+    _write_jsonl(directory / "heldout.jsonl", _interleave(list(held_out.values())))
+    return directory
+
+
+def _interleave(groups: list[list[MiniPrompt]]) -> list[MiniPrompt]:
+    """Round-robin over sources, so any prefix of the file mixes them."""
+    mixed, index = [], 0
+    while any(index < len(g) for g in groups):
+        mixed += [g[index] for g in groups if index < len(g)]
+        index += 1
+    return mixed
+
+
+def _write_jsonl(path: Path, prompts: list[MiniPrompt]) -> None:
+    with path.open("w") as file:
+        for prompt in prompts:
+            file.write(json.dumps({"prompt": prompt.text, **prompt.metadata}) + "\n")
+
+
+@dataclass
+class RunResult:
+    method: Method
+    seed: int
+    run_dir: Path | None
+    eval_dir: Path
+    train_seconds: float = 0.0
+    peak_rss_mib: float = 0.0
+    log: list[str] = field(default_factory=list)
+
+
+def _child(command: list[str], log: Path) -> tuple[float, float]:
+    """Run a CLI process with one thread; returns (seconds, peak RSS MiB); raises on failure."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    started = time.perf_counter()
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        tail = log.read_text().splitlines()[-15:]
+        raise RuntimeError(f"{' '.join(command[:5])} failed; see {log}:\n" + "\n".join(tail))
+    return seconds, usage.ru_maxrss / 1024
+
+
+def run_one(
+    method: Method, seed: int, budget: Budget, work: Path, prompts: Path, model: Path
+) -> RunResult:
+    """Train (unless the base row) then evaluate one (method, seed)."""
+    name = f"{method.key}/s{seed}"
+    run_dir = work / "runs" / name if method.trains else None
+    result = RunResult(method, seed, run_dir, work / "evals" / name)
+    cli = [sys.executable, "-m", "mogradient_diffusion.cli"]
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        command = [
+            *cli, "train", "--config", str(CONFIG),
+            f"model.path={model}", f"prompts.directory={prompts}",
+            f"run.directory={run_dir}", f"run.seed={seed}", f"train.epochs={budget.epochs}",
+            f"run.conflict_probe={str(method.probe).lower()}", *method.overrides,
+        ]  # fmt: skip
+        result.train_seconds, result.peak_rss_mib = _child(command, run_dir / "train.log")
+        process = {"seconds": result.train_seconds, "peak_rss_mib": result.peak_rss_mib}
+        (run_dir / "process.json").write_text(json.dumps(process))
+    result.eval_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        *cli, "eval", "--model", str(model), "--prompts", str(prompts / "heldout.jsonl"),
+        "--metrics", ",".join(TRAIN_REWARDS + HELD_OUT),
+        "--reward-module", "mogradient_diffusion.mini",
+        "--out", str(result.eval_dir), "--steps", str(EVAL_STEPS), "--seed", "1000",
+        "--images-per-prompt", str(budget.eval_images), "--batch-size", "16", "--device", "cpu",
+        "--label", method.label, "--quiet",
+    ]  # fmt: skip
+    if budget.eval_prompts is not None:
+        command += ["--max-prompts", str(budget.eval_prompts)]
+    if run_dir is not None:
+        command += ["--lora", str(run_dir / "lora")]
+    _child(command, result.eval_dir.parent / f"{result.eval_dir.name}.log")
+    return result
+
+
+def jobs_of(budget: Budget) -> list[tuple[Method, int]]:
+    """Every (method, seed) of a budget: main rows on every seed, the rest on seed 0."""
+    jobs = [
+        (method, seed)
+        for method in methods(budget)
+        for seed in range(1 if method.ablation or not method.trains else budget.seeds)
+    ]
+    return jobs + [(method, 0) for method in cost_methods()] if budget.full else jobs
+
+
+def collect_results(mode: str, work: Path) -> list[RunResult]:
+    """The finished runs of ``mode`` found in ``work`` (to rebuild or salvage a report)."""
+    results = []
+    for method, seed in jobs_of(MODES[mode]):
+        name = f"{method.key}/s{seed}"
+        run_dir = work / "runs" / name if method.trains else None
+        result = RunResult(method, seed, run_dir, work / "evals" / name)
+        if not (result.eval_dir / "summary.json").is_file():
+            continue
+        if run_dir is not None and (run_dir / "process.json").is_file():
+            process = json.loads((run_dir / "process.json").read_text())
+            result.train_seconds, result.peak_rss_mib = process["seconds"], process["peak_rss_mib"]
+        results.append(result)
+    return results
+
+
+def run_benchmark(mode: str, out: Path, work: Path, workers: int, model: Path = BASE_MODEL) -> Path:
+    """Every run of ``mode``, then the tables and plots in ``out``; returns ``out``."""
+    from mogradient_diffusion.mini.report import write_report
+
+    budget = MODES[mode]
+    if not (model / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"no base model at {model}: "
+            f"run `python -m mogradient_diffusion.mini.pretrain --out {model}`"
+        )
+    prompts = write_prompt_files(work / "prompts")
+    jobs = jobs_of(budget)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(run_one, m, s, budget, work, prompts, model) for m, s in jobs]
+        results = []
+        for done, future in enumerate(futures, start=1):
+            results.append(future.result())
+            print(
+                f"[{done}/{len(jobs)}] {results[-1].method.label} seed {results[-1].seed}",
+                flush=True,
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    write_report(results, out, mode, time.perf_counter() - started, workers)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=sorted(MODES), default="quick")
+    parser.add_argument("--out", type=Path, default=Path("results/mini_quick"))
+    parser.add_argument("--work", type=Path, help="runs and evals (default: <out>/work)")
+    parser.add_argument("--workers", type=int, default=2, help="processes at a time")
+    parser.add_argument("--model", type=Path, default=BASE_MODEL)
+    parser.add_argument(
+        "--report-only", action="store_true", help="rebuild the report from the finished runs"
+    )
+    args = parser.parse_args(argv)
+    work = args.work or args.out / "work"
+    if args.report_only:
+        from mogradient_diffusion.mini.report import write_report
+
+        write_report(collect_results(args.mode, work), args.out, args.mode, math.nan, args.workers)
+        print(f"report rebuilt from {work}: {args.out / 'table.md'}")
+        return 0
+    if work.exists():
+        shutil.rmtree(work)
+    try:
+        out = run_benchmark(args.mode, args.out, work, args.workers, args.model)
+    except (FileNotFoundError, RuntimeError) as error:
+        print(f"mini benchmark: {error}", file=sys.stderr)
+        return 2
+    print(f"results: {out / 'table.md'}, {out / 'conflict.md'}, plots in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

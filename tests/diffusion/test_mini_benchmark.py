@@ -1,0 +1,74 @@
+"""The miniature world's prompts and the head-to-head runner at its minimal budget: the
+shipped base model loads, every method trains and evaluates, the report files are written
+with finite metrics. Who wins is not asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mogradient_diffusion.mini.benchmark import (
+    BASE_MODEL,
+    HELD_OUT,
+    MODES,
+    TRAIN_REWARDS,
+    main,
+    methods,
+    write_prompt_files,
+)
+from mogradient_diffusion.mini.world import all_prompts, split_prompts, vocabulary
+from mogradient_diffusion.prompts import load_prompt_file
+
+
+def test_prompt_split_is_fixed_disjoint_and_covers_every_source():
+    train, held_out = split_prompts(seed=0)
+    again, _ = split_prompts(seed=0)
+    assert train == again
+    for source, prompts in all_prompts().items():
+        texts = {p.text for p in prompts}
+        assert {p.text for p in train[source]} | {p.text for p in held_out[source]} == texts
+        assert not {p.text for p in train[source]} & {p.text for p in held_out[source]}
+    assert {"sign", "circle", "left", "of"} <= set(vocabulary())
+
+
+def test_prompt_files_keep_metadata_and_mix_sources_in_every_prefix(tmp_path):
+    directory = write_prompt_files(tmp_path)
+    held_out = load_prompt_file(directory / "heldout.jsonl")
+    tags = [meta["tag"] for meta in held_out.metadata]
+    first = {"general" if t == "general" else "text" if t == "text" else "comp" for t in tags[:3]}
+    assert first == {"general", "text", "comp"}
+    compositional = load_prompt_file(directory / "compositional.jsonl")
+    assert all("include" in meta for meta in compositional.metadata)
+
+
+def test_full_mode_has_every_row_the_issue_names():
+    keys = [m.key for m in methods(MODES["full"])]
+    for key in ("base", "weighted_sum", "sequential", "reward_dropout", "pcgrad", "marble",
+                "marble_no_norm", "marble_fixed_alpha", "marble_every_step"):  # fmt: skip
+        assert key in keys
+    assert sum(k.startswith("single_") for k in keys) == len(TRAIN_REWARDS)
+    assert sum(k.startswith("marble_rho") for k in keys) == 4
+    assert MODES["full"].seeds >= 3
+
+
+@pytest.mark.slow
+def test_minimal_head_to_head_writes_tables_plots_and_grids(tmp_path):
+    assert (BASE_MODEL / "model_index.json").is_file()
+    out = tmp_path / "mini"
+    assert main(["--mode", "test", "--out", str(out), "--workers", "2"]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert [row["key"] for row in report["rows"]] == ["base", "weighted_sum", "marble"]
+    for row in report["rows"]:
+        for name in (*TRAIN_REWARDS, *HELD_OUT):
+            assert math.isfinite(row["mean"][name]), (row["key"], name)
+    assert [row["key"] for row in report["conflict"]] == ["weighted_sum", "marble"]
+    assert all(row["steps"] > 0 for row in report["conflict"])
+    for name in ("table.md", "conflict.md", "curves.png", "weights.png"):
+        assert (out / name).stat().st_size > 0
+    assert {p.name for p in (out / "grids").iterdir()} == {
+        "base.png",
+        "weighted_sum.png",
+        "marble.png",
+    }
