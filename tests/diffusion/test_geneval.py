@@ -9,7 +9,6 @@ the rewards' ``path`` / ``clip_path`` options.
 from __future__ import annotations
 
 import math
-import string
 from pathlib import Path
 
 import numpy as np
@@ -263,18 +262,9 @@ from mogradient_diffusion.rewards.geneval import GenEval, GenEvalStrict, _unpadd
 from mogradient_diffusion.rewards.local_weights import MissingWeightsError  # noqa: E402
 from mogradient_diffusion.rewards.registry import make_reward  # noqa: E402
 
+from .reward_models import save_tiny_clip  # noqa: E402
+
 LABELS = ("person", "dog", "cat", "traffic light", "keyboard")
-
-
-def _tiny_clip_tokenizer():
-    """Character-level byte-pair tokenizer: any lowercase prompt, no merges needed."""
-    vocab: dict[str, int] = {}
-    for char in string.ascii_lowercase + string.digits + string.punctuation:
-        vocab.setdefault(char, len(vocab))
-        vocab.setdefault(char + "</w>", len(vocab))
-    for special in ("<|startoftext|>", "<|endoftext|>"):
-        vocab[special] = len(vocab)
-    return transformers.CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
 
 
 @pytest.fixture(scope="module")
@@ -309,35 +299,7 @@ def weights(tmp_path_factory) -> dict[str, Path]:
         detector_dir
     )
 
-    clip_dir = tmp_path_factory.mktemp("clip")
-    tokenizer = _tiny_clip_tokenizer()
-    clip_config = transformers.CLIPConfig(
-        text_config={
-            "vocab_size": len(tokenizer.get_vocab()),
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "max_position_embeddings": 77,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        vision_config={
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": 32,
-            "patch_size": 8,
-        },
-        projection_dim=8,
-    )
-    transformers.CLIPModel(clip_config).save_pretrained(clip_dir)
-    tokenizer.save_pretrained(clip_dir)
-    transformers.CLIPImageProcessorPil(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    ).save_pretrained(clip_dir)
+    clip_dir = save_tiny_clip(tmp_path_factory.mktemp("clip"))
     return {"path": detector_dir, "clip_path": clip_dir}
 
 
@@ -403,7 +365,7 @@ def test_colour_classifier_is_the_renormalised_template_mean(weights):
     reward = GenEval(**weights, **LOOSE)
     assert reward.to("cpu") is reward
     classifier = reward._colour_classifier("cat")
-    assert classifier.shape == (len(COLOURS), 8)
+    assert classifier.shape == (len(COLOURS), 12)  # the tiny CLIP projects to 12
     torch.testing.assert_close(classifier.norm(dim=-1), torch.ones(len(COLOURS)))
     texts = [
         "a photo of a green cat",
