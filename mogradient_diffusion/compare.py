@@ -59,23 +59,40 @@ def comparison_table(directories: Sequence[str | Path]) -> str:
         {m: metric_value(m, s["metrics"][m]) if m in s["metrics"] else math.nan for m in metrics}
         for s in summaries
     ]
-    for row, composite in zip(table, composite_scores(table, metrics), strict=True):
-        row["composite"] = composite
-    columns = [*metrics, "composite"]
-    marks = {column: rank_marks([row[column] for row in table]) for column in columns}
-    lines = [
-        "| model | " + " | ".join(columns) + " |",
-        "|---|" + "---|" * len(columns),
-    ]
-    for i, (summary, row) in enumerate(zip(summaries, table, strict=True)):
-        cells = [format_cell(row[c], marks[c].get(i)) for c in columns]
-        lines.append(f"| {summary.get('label', directories[i])} | " + " | ".join(cells) + " |")
+    labels = [str(s.get("label", d)) for s, d in zip(summaries, directories, strict=True)]
+    lines = ranked_table(labels, table, metrics)
     lines += [
         "",
         "Composite: mean over metrics of per-column z-scores across these rows. "
         "**best**, <u>second</u>.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def ranked_table(
+    labels: Sequence[str],
+    table: list[dict[str, float]],
+    metrics: Sequence[str],
+    texts: Sequence[dict[str, str]] | None = None,
+    header: str = "model",
+) -> list[str]:
+    """Markdown lines: one row per label, the metrics plus the composite, best and second
+    best per column marked. ``texts`` may replace a cell's printed number (e.g. mean ± std);
+    ``header`` names the label column(s)."""
+    table = [dict(row) for row in table]
+    for row, composite in zip(table, composite_scores(table, metrics), strict=True):
+        row["composite"] = composite
+    columns = [*metrics, "composite"]
+    marks = {column: rank_marks([row[column] for row in table]) for column in columns}
+    lines = [
+        f"| {header} | " + " | ".join(columns) + " |",
+        "|---" * (header.count("|") + 1) + "|" + "---|" * len(columns),
+    ]
+    for i, (label, row) in enumerate(zip(labels, table, strict=True)):
+        text = texts[i] if texts is not None else {}
+        cells = [format_cell(row[c], marks[c].get(i), text.get(c)) for c in columns]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def rank_marks(values: list[float]) -> dict[int, int]:

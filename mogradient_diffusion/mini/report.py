@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mogradient_diffusion.compare import composite_scores, format_cell, metric_value, rank_marks
+from mogradient_diffusion.compare import metric_value, ranked_table
 from mogradient_diffusion.runlog import read_metrics
 
 if TYPE_CHECKING:
@@ -107,29 +107,19 @@ def _std(values: list[float]) -> float:
 
 
 def _table(rows: list[dict[str, Any]], metrics: list[str]) -> list[str]:
-    table = [dict(row["mean"]) for row in rows]
-    for values, composite in zip(table, composite_scores(table, metrics), strict=True):
-        values["composite"] = composite
-    columns = [*metrics, "composite"]
-    marks = {c: rank_marks([values[c] for values in table]) for c in columns}
-    lines = [
-        "| method | seeds | " + " | ".join(columns) + " |",
-        "|---|---|" + "---|" * len(columns),
-    ]
-    for i, (row, values) in enumerate(zip(rows, table, strict=True)):
-        cells = []
-        for c in columns:
-            std = row["std"].get(c, math.nan)
-            text = f"{values[c]:.3f}" + (f" ± {std:.3f}" if math.isfinite(std) else "")
-            cells.append(format_cell(values[c], marks[c].get(i), text))
-        lines.append(f"| {row['label']} | {row['seeds']} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
+    texts = [{m: _mean_std(row["mean"][m], row["std"][m]) for m in metrics} for row in rows]
+    labels = [f"{row['label']} | {row['seeds']}" for row in rows]
+    lines = ranked_table(labels, [row["mean"] for row in rows], metrics, texts, "method | seeds")
+    note = (
         "Mean ± std over seeds of each metric on the held-out prompts; composite = mean of "
         "per-column z-scores across these rows. **best**, <u>second</u>. Trained rewards: "
-        "the first five columns; the last four no method trained on.",
-    ]
-    return lines
+        "the first five columns; the last four no method trained on."
+    )
+    return [*lines, "", note]
+
+
+def _mean_std(mean: float, std: float) -> str:
+    return f"{mean:.3f}" + (f" ± {std:.3f}" if math.isfinite(std) else "")
 
 
 # --- conflict ------------------------------------------------------------------------------
