@@ -28,7 +28,7 @@ toys: $(STAMP)
 
 # The whole miniature head-to-head (every method, 3 seeds, ablations): ~1-2 h on 2 cores.
 mini: $(STAMP)
-	$(PY) -m mogradient_diffusion.mini.benchmark --mode full --out benchmarks/results/mini
+	$(PY) -m mogradient_diffusion.mini.benchmark --mode full --out benchmarks/results/mini --work results/mini_work
 
 test: $(STAMP)
 	$(PY) -m ruff check .
