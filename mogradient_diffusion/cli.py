@@ -76,6 +76,9 @@ def _add_eval_parser(commands) -> None:
     evaluate.add_argument("--steps", type=int, default=40)
     evaluate.add_argument("--guidance-scale", type=float, default=1.0)
     evaluate.add_argument("--resolution", type=int)
+    evaluate.add_argument(
+        "--max-sequence-length", type=int, default=256, help="T5 tokens, as in training"
+    )
     evaluate.add_argument("--images-per-prompt", type=int, default=1)
     evaluate.add_argument("--max-prompts", type=int)
     evaluate.add_argument("--seed", type=int, default=0)
@@ -107,6 +110,7 @@ def _eval(args: argparse.Namespace) -> int:
             steps=args.steps,
             guidance_scale=args.guidance_scale,
             resolution=args.resolution,
+            max_sequence_length=args.max_sequence_length,
             images_per_prompt=args.images_per_prompt,
             max_prompts=args.max_prompts,
             seed=args.seed,

@@ -42,6 +42,7 @@ class EvalSettings:
     steps: int = 40
     guidance_scale: float = 1.0
     resolution: int | None = None  # None: the pipeline's default size
+    max_sequence_length: int = 256  # T5 tokens; match the value the model was trained with
     images_per_prompt: int = 1
     max_prompts: int | None = None
     seed: int = 0
@@ -65,6 +66,7 @@ class EvalSettings:
             "guidance_scale": self.guidance_scale >= 0,
             "max_prompts": self.max_prompts is None or self.max_prompts >= 1,
             "resolution": self.resolution is None or self.resolution > 0,
+            "max_sequence_length": self.max_sequence_length >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -153,6 +155,7 @@ def generate(pipeline, samples: Sequence[Sample], settings: EvalSettings) -> tor
         height=size,
         width=size,
         generator=generators,
+        max_sequence_length=settings.max_sequence_length,
         output_type="pt",
     ).images
     return images.float().clamp(0, 1).cpu()

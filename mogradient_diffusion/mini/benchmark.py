@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH
 from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
 
 HERE = Path(__file__).parent
@@ -63,7 +64,7 @@ class Budget:
 MODES = {
     "test": Budget(epochs=1, seeds=1, eval_prompts=6, eval_images=1, full=False),
     "quick": Budget(epochs=4, seeds=1, eval_prompts=24, eval_images=1, full=False),
-    "full": Budget(epochs=20, seeds=3, eval_prompts=None, eval_images=2, full=True),
+    "full": Budget(epochs=40, seeds=3, eval_prompts=None, eval_images=2, full=True),
 }
 
 
@@ -185,6 +186,7 @@ def run_one(
         "--reward-module", "mogradient_diffusion.mini",
         "--out", str(result.eval_dir), "--steps", str(EVAL_STEPS), "--seed", "1000",
         "--images-per-prompt", str(budget.eval_images), "--batch-size", "16", "--device", "cpu",
+        "--max-sequence-length", str(MAX_SEQUENCE_LENGTH),
         "--label", method.label, "--quiet",
     ]  # fmt: skip
     if budget.eval_prompts is not None:
