@@ -121,8 +121,7 @@ def _eval(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             reward_modules=args.reward_module,
         )
-        settings.validate()
-        out = evaluate(settings)
+        out = evaluate(settings)  # validates before any model loads
     except (ValueError, FileNotFoundError, MissingWeightsError, RewardError) as error:
         # ConfigError (a bad --reward-module) is a ValueError too.
         print(f"mogradient-diffusion eval: {error}", file=sys.stderr)

@@ -111,10 +111,10 @@ def load_eval_prompts(settings: EvalSettings) -> PromptSource:
 def load_pipeline(settings: EvalSettings):
     """The base pipeline (plus the LoRA), on the evaluation device, progress bars off."""
     from mogradient_diffusion.distributed import World
-    from mogradient_diffusion.policy import _load_pipeline
+    from mogradient_diffusion.policy import load_sd3_pipeline
 
     device = World.from_environment(settings.device).device
-    pipeline = _load_pipeline(settings.model, DTYPES[settings.dtype])
+    pipeline = load_sd3_pipeline(settings.model, DTYPES[settings.dtype])
     if settings.lora is not None:
         lora = Path(settings.lora).expanduser()
         if not lora.is_dir():

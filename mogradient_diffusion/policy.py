@@ -153,7 +153,7 @@ class Policy:
         gradient_checkpointing: bool = False,
     ) -> Policy:
         """Load a pipeline (local directory, or hub id unless ``HF_HUB_OFFLINE``), add adapters."""
-        pipeline = _load_pipeline(path, dtype).to(device)
+        pipeline = load_sd3_pipeline(path, dtype).to(device)
         pipeline.set_progress_bar_config(disable=True)
         for component in pipeline.components.values():
             if isinstance(component, nn.Module):
@@ -446,7 +446,7 @@ def _check_adapter(adapter: str) -> None:
         raise ValueError(f"adapter must be one of {ADAPTERS}, got {adapter!r}")
 
 
-def _load_pipeline(path: str | os.PathLike, dtype: torch.dtype):
+def load_sd3_pipeline(path: str | os.PathLike, dtype: torch.dtype):
     """``from_pretrained`` with one clear error when ``path`` is not a usable pipeline."""
     from diffusers import StableDiffusion3Pipeline
 
