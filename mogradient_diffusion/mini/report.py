@@ -126,28 +126,41 @@ def _mean_std(mean: float, std: float) -> str:
 
 
 def step_cosines(run_dir: Path) -> list[dict[str, float]]:
-    """(cos_min, cos_var) of every optimizer step with usable cosines, in order."""
+    """(cos_min, cos_var, solved) of every optimizer step with usable cosines, in order."""
     steps = []
     for record in read_metrics(run_dir):
         for step in record["optimizer_steps"]:
             low, var = step.get("harmonize/cos_min"), step.get("harmonize/cos_var")
             if low is not None and var is not None and not step.get("harmonize/stationary"):
-                steps.append({"cos_min": low, "cos_var": var})
+                steps.append({"cos_min": low, "cos_var": var, "solved": step["solved"]})
     return steps
+
+
+# (row label, method key, which steps): MARBLE's steps split by solved vs cached; the
+# every-step ablation solves (and so has cosines) on every step without the probe.
+CONFLICT_ROWS = (
+    ("weighted sum", "weighted_sum", None),
+    ("MARBLE (N=10, rho 0.7), all steps", "marble", None),
+    ("MARBLE: its full-solve steps", "marble", 1),
+    ("MARBLE: its cached-weight steps", "marble", 0),
+    ("MARBLE solve every step (rho 0.7)", "marble_every_step", None),
+)
 
 
 def _conflict_rows(results: list[RunResult]) -> list[dict[str, Any]]:
     rows = []
-    for key in ("weighted_sum", "marble"):
+    for label, key, solved in CONFLICT_ROWS:
         runs = [r for r in results if r.method.key == key and r.run_dir is not None]
         steps = [s for r in runs for s in step_cosines(r.run_dir)]
+        steps = [s for s in steps if solved is None or s["solved"] == solved]
         if not steps:
             continue
         lows = np.array([s["cos_min"] for s in steps])
         rows.append(
             {
                 "key": key,
-                "label": runs[0].method.label,
+                "label": label,
+                "seeds": len(runs),
                 "steps": len(steps),
                 "negative_fraction": float((lows < 0).mean()),
                 "mean_min_cos": float(lows.mean()),
@@ -161,20 +174,23 @@ def _conflict_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "# Gradient conflict: worst-reward cosine with the applied update",
         "",
-        "| method | steps | steps with min cos < 0 | mean min cos | mean cos variance |",
-        "|---|---|---|---|---|",
+        "| method | seeds | steps | steps with min cos < 0 | mean min cos | mean cos variance |",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['label']} | {row['steps']} | {row['negative_fraction']:.1%} | "
-            f"{row['mean_min_cos']:+.3f} | {row['mean_cos_var']:.3f} |"
+            f"| {row['label']} | {row['seeds']} | {row['steps']} | "
+            f"{row['negative_fraction']:.1%} | {row['mean_min_cos']:+.3f} | "
+            f"{row['mean_cos_var']:.3f} |"
         )
     lines += [
         "",
         "Every optimizer step of every seed: K per-reward NFT gradients (per-reward "
         "advantages, the step's own samples and noise) against the update applied "
-        "(`run.conflict_probe`). Paper (SD3.5-M, 5 rewards): weighted sum 80% / -0.13 / "
-        "0.161, MARBLE 0% / +0.37 / 0.006.",
+        "(`run.conflict_probe`; on full-solve steps the gradients the solve used). MARBLE's "
+        "solve steps apply EMA-smoothed weights (rho 0.7), not the fresh solution, so even "
+        "they can leave a reward behind. Paper (SD3.5-M, 5 rewards): weighted sum 80% / "
+        "-0.13 / 0.161, MARBLE 0% / +0.37 / 0.006.",
     ]
     return lines
 

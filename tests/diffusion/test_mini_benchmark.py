@@ -63,7 +63,7 @@ def test_minimal_head_to_head_writes_tables_plots_and_grids(tmp_path):
     for row in report["rows"]:
         for name in (*TRAIN_REWARDS, *HELD_OUT):
             assert math.isfinite(row["mean"][name]), (row["key"], name)
-    assert [row["key"] for row in report["conflict"]] == ["weighted_sum", "marble"]
+    assert [row["key"] for row in report["conflict"]][:2] == ["weighted_sum", "marble"]
     assert all(row["steps"] > 0 for row in report["conflict"])
     for name in ("table.md", "conflict.md", "curves.png", "weights.png"):
         assert (out / name).stat().st_size > 0
