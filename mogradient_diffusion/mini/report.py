@@ -266,7 +266,9 @@ def _plots(results: list[RunResult], out: Path) -> None:
     figure, axes = plt.subplots(1, len(TRAIN_REWARDS), figsize=(4 * len(TRAIN_REWARDS), 3.5))
     for axis, name in zip(axes, TRAIN_REWARDS, strict=True):
         for label, per_reward in curves.items():
-            series = np.nanmean(np.array(per_reward[name], dtype=float), axis=0)
+            runs = np.array(per_reward[name], dtype=float)
+            counts = np.isfinite(runs).sum(axis=0)
+            series = np.where(counts > 0, np.nansum(runs, axis=0) / np.maximum(counts, 1), np.nan)
             axis.plot(series, label=label)
         axis.set_title(name)
         axis.set_xlabel("epoch")
@@ -326,5 +328,9 @@ def _machine_line(report: dict[str, Any]) -> str:
     return (
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, CPU only; "
         f"{report['workers']} runs at a time, one thread each; "
-        f"total {report['seconds'] / 60:.1f} min (nan: report rebuilt from finished runs)."
+        + (
+            f"total {report['seconds'] / 60:.1f} min."
+            if math.isfinite(report["seconds"])
+            else "report rebuilt from finished runs."
+        )
     )
