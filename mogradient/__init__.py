@@ -5,6 +5,7 @@ from mogradient.diagnostics import ConflictAccumulator, conflict_diagnostics
 from mogradient.ema import WeightEMA
 from mogradient.gradients import (
     combinable_gradients,
+    flat_gradient,
     objective_gradients,
     select_parameters,
     write_gradient,
@@ -61,6 +62,7 @@ __all__ = [
     "WeightEMA",
     "combinable_gradients",
     "conflict_diagnostics",
+    "flat_gradient",
     "gram_matrix",
     "make_harmonizer",
     "masked_mean_coefficients",

@@ -133,6 +133,11 @@ def _batched_vjp(
     return torch.cat(rows)
 
 
+def flat_gradient(parameters: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parameters' ``.grad`` as one flat vector (a missing gradient counts as zeros)."""
+    return _flatten([parameter.grad for parameter in parameters], list(parameters))
+
+
 def _flatten(grads: Sequence[torch.Tensor | None], parameters: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(
         [

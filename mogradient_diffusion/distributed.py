@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mogradient import flat_gradient
+
 
 @dataclass
 class World:
@@ -58,10 +60,7 @@ class World:
         """Mean of ``.grad`` over ranks with one flat all-reduce (missing grads count as 0)."""
         if self.size == 1:
             return
-        flat = torch.cat(
-            [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in parameters]
-        )
-        self.average(flat)
+        flat = self.average(flat_gradient(parameters))
         offset = 0
         for parameter in parameters:
             size = parameter.numel()

@@ -23,7 +23,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from mogradient import combinable_gradients, conflict_diagnostics
+from mogradient import combinable_gradients, conflict_diagnostics, flat_gradient
 from mogradient.harmonizers.base import combine
 from mogradient.objectives import CombinableLoss
 from mogradient_diffusion.advantages import group_advantages
@@ -301,15 +301,11 @@ class Trainer:
         probe = [dataclasses.replace(m, advantages=m.reward_advantages) for m in group]
         probe = self._mask_silent_in_step(probe)
         count = probe[0].advantages.shape[1]
-        stack = None
-        for scale, loss in self._loss_stream(probe, generator):
-            part = combinable_gradients(loss, self.parameters) * scale
-            stack = part if stack is None else stack.add_(part)
+        stack = accumulate_gradients(
+            self._loss_stream(probe, generator), self.parameters, None, count, apply_extra=False
+        )
         stack = self.world.average(stack)
-        direction = torch.cat([
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-            for p in self.parameters
-        ])  # fmt: skip
+        direction = flat_gradient(self.parameters).float()
         diagnostics = conflict_diagnostics(torch.ones(count), jacobian=stack, direction=direction)
         return {  # no weight/k: the probe's unit weights only set the round-off tolerance
             f"harmonize/{k}": v
@@ -537,23 +533,26 @@ def accumulate_gradients(
     parameters: list[torch.Tensor],
     weights: torch.Tensor | None,
     count: int,
+    apply_extra: bool = True,
 ) -> torch.Tensor | None:
     """Sum ``scale * grad`` over a stream of (scale, CombinableLoss).
 
     With ``weights`` (a cached or weight-only step) every loss is combined first and one
     backward accumulates ``sum_k w_k g_k`` into ``.grad``. Without, the K per-objective
     gradients are accumulated into a K x D stack (returned) and only the non-harmonized
-    ``extra`` term (KL) goes to ``.grad``. Both paths are exact for the same weights.
+    ``extra`` term (KL) goes to ``.grad`` (left out with ``apply_extra=False``, for
+    measurements that must not touch ``.grad``). Both paths are exact for the same weights.
     """
     stack = None
     for scale, loss in losses:
         if weights is not None:
             (loss.combined(weights) * scale).backward()
             continue
-        part = combinable_gradients(loss, parameters, retain_graph=loss.extra is not None)
+        extra = loss.extra if apply_extra else None
+        part = combinable_gradients(loss, parameters, retain_graph=extra is not None)
         stack = part * scale if stack is None else stack.add_(part, alpha=scale)
-        if loss.extra is not None:
-            (loss.extra * scale).backward()
+        if extra is not None:
+            (extra * scale).backward()
     if weights is None and stack is None:
         total = sum(parameter.numel() for parameter in parameters)
         stack = torch.zeros(count, total, device=parameters[0].device)

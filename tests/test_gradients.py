@@ -87,3 +87,11 @@ def test_write_gradient_round_trip() -> None:
     )
     with pytest.raises(ValueError, match="need"):
         write_gradient(model.parameters(), torch.zeros(3))
+
+
+def test_flat_gradient_concatenates_grads_with_zeros_for_missing_ones():
+    from mogradient import flat_gradient
+
+    a, b = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(3))
+    a.grad = torch.arange(4.0).view(2, 2)
+    torch.testing.assert_close(flat_gradient([a, b]), torch.tensor([0.0, 1, 2, 3, 0, 0, 0]))
