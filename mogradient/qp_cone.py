@@ -1,12 +1,18 @@
-"""Exact dual-cone projection QP: min_v v^T G v subject to v >= lower (G PSD, maybe singular).
+"""Exact dual-cone projection: min_v v^T G v subject to v >= lower (G PSD, maybe singular).
 
 This is the QP inside UPGrad and DualProj. With G = J J^T, its solution v gives the
 projection of J^T lower onto the dual cone {d : J d >= 0} as d = J^T v (Quinton & Rey
-2024, Prop. 1). Substituting v = lower + x turns it into a non-negative least-squares
-problem min ||J^T x + J^T lower||^2, x >= 0, which Lawson & Hanson's active-set method
-solves exactly in finitely many steps using only the Gram matrix. K is small (2..64),
-so we solve in float64 and report a KKT residual. ``cvxpy`` and ``qpsolvers:<name>``
-backends exist to cross-check the built-in solver.
+2024, Prop. 1). K is small (2..64), so we solve it exactly in float64 and report a KKT
+residual; ``cvxpy`` and ``qpsolvers:<name>`` backends exist to cross-check.
+
+The built-in solver never forms normal equations, which square the condition number
+and fail on near-dependent gradients (an opposed pair, near duplicates). It works in
+the span of the gradients: a square root A of the unit-diagonal Gram (A^T A = cosines,
+from its eigen-decomposition) stands in for J, Lawson & Hanson's NNLS runs on A with
+SVD least squares, and the projection itself is an orthogonal residual, accurate
+however large the multipliers get. Near-dependent gradients can make every v >= lower
+huge while the projection is small; then the weights returned are the min-norm ones
+that give the same projection, so that J^T v carries no cancellation.
 """
 
 from __future__ import annotations
@@ -18,6 +24,14 @@ import numpy as np
 from mogradient.external_qp import solve_with_cvxpy, solve_with_qpsolvers
 
 _TOLERANCE = 1e-13
+# A violated constraint must exceed this many units of round-off in A^T y (|y| <= |point|).
+_VIOLATION_TOLERANCE = 64 * np.finfo(float).eps
+# Eigenvalues of the cosine matrix below this x K x the largest are round-off.
+_EIGENVALUE_FLOOR = 4 * np.finfo(float).eps
+# Passive columns whose smallest singular value is below this of the largest are dependent.
+_RANK_TOLERANCE = 1e-10
+# Weights v >= lower are returned unless they exceed the min-norm ones this many times.
+_CANCELLATION_LIMIT = 1e3
 
 
 @dataclass(frozen=True)
@@ -50,20 +64,24 @@ def solve_cone_qp(gram: np.ndarray, lower: np.ndarray, backend: str = "builtin")
     normalized_gram = gram / gram_scale
     normalized_lower = lower / lower_scale
     if backend == "builtin":
-        weights = _solve_builtin(normalized_gram, normalized_lower)
-    elif backend == "cvxpy":
-        weights = solve_with_cvxpy(normalized_gram, normalized_lower)
-    elif backend.startswith("qpsolvers:"):
-        solver = backend.split(":", 1)[1]
-        weights = solve_with_qpsolvers(normalized_gram, solver, normalized_lower)
+        weights, residual = _solve_builtin(normalized_gram, normalized_lower)
+    elif backend == "cvxpy" or backend.startswith("qpsolvers:"):
+        if backend == "cvxpy":
+            weights = solve_with_cvxpy(normalized_gram, normalized_lower)
+        else:
+            solver = backend.split(":", 1)[1]
+            weights = solve_with_qpsolvers(normalized_gram, solver, normalized_lower)
+        # Solver round-off may leave v a hair below the bound; clipping only moves it inward.
+        weights = np.maximum(weights, normalized_lower)
+        residual = cone_kkt_residual(normalized_gram, normalized_lower, weights)
     else:
         raise ValueError(
             f"unknown QP backend {backend!r}; use 'builtin', 'cvxpy' or 'qpsolvers:<solver>'"
         )
-    # Solver round-off may leave v a hair below the bound; clipping only moves it inward.
-    weights = np.maximum(weights, normalized_lower)
-    residual = cone_kkt_residual(normalized_gram, normalized_lower, weights)
-    weights = np.maximum(weights * lower_scale, lower)
+    bounded = bool(np.all(weights >= normalized_lower))
+    weights = weights * lower_scale
+    if bounded:
+        weights = np.maximum(weights, lower)  # rescaling round-off must not cross the bound
     return ConeQPSolution(
         weights=weights,
         objective=float(weights @ gram @ weights),
@@ -98,21 +116,144 @@ def cone_kkt_residual(gram: np.ndarray, lower: np.ndarray, weights: np.ndarray) 
     return max(dual, primal, complementarity)
 
 
-def _solve_builtin(gram: np.ndarray, lower: np.ndarray) -> np.ndarray:
-    """Jacobi-scale to unit diagonal, solve exactly, scale back."""
+def _solve_builtin(gram: np.ndarray, lower: np.ndarray) -> tuple[np.ndarray, float]:
+    """Weights giving the projection J^T v*, and the KKT residual of the solve.
+
+    The residual is measured where it is accurate: projection optimality in the span
+    coordinates (see :func:`_projection_residual`), and the conflict cosines
+    -(G w)_k / (||g_k|| ||J^T lower||) of the weights actually returned.
+    """
     norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
     rows = norms > 0
     weights = lower.copy()
     if not np.any(rows):
-        return weights
-    cosines = gram[np.ix_(rows, rows)] / np.outer(norms[rows], norms[rows])
-    scaled_lower = lower[rows] * norms[rows]
-    bound = float(np.max(np.abs(scaled_lower)))
-    if bound == 0.0:
-        return weights
-    solution = _lawson_hanson(cosines, scaled_lower / bound) * bound
-    weights[rows] = solution / norms[rows]
-    return weights
+        return weights, 0.0
+    factor = _span_factor(gram[np.ix_(rows, rows)] / np.outer(norms[rows], norms[rows]))
+    target = lower[rows] * norms[rows]
+    point = factor @ target
+    multipliers, projection = _nonnegative_least_squares(factor, point)
+    bounded = target + multipliers
+    minimal = np.linalg.lstsq(factor, projection, rcond=None)[0]
+    # v >= lower is the textbook answer; keep it unless it is the cancelling kind.
+    largest = max(float(np.max(np.abs(minimal))), float(np.max(np.abs(target))))
+    chosen = bounded if float(np.max(np.abs(bounded))) <= _CANCELLATION_LIMIT * largest else minimal
+    weights[rows] = chosen / norms[rows]
+    if chosen is bounded:
+        weights = np.maximum(weights, lower)
+    size = float(np.linalg.norm(point))
+    if size == 0.0:
+        return weights, 0.0
+    conflict = -(gram[rows] @ weights) / (norms[rows] * size)
+    residual = max(
+        _projection_residual(factor, point, multipliers, projection), float(np.max(conflict))
+    )
+    return weights, max(residual, 0.0)
+
+
+def _projection_residual(
+    factor: np.ndarray, point: np.ndarray, multipliers: np.ndarray, projection: np.ndarray
+) -> float:
+    """KKT of projecting ``point`` onto {y : A^T y >= 0}, relative to the sizes involved.
+
+    y is the projection iff A^T y >= 0, y = point + A x with x >= 0, and x_k a_k.y = 0.
+    Stationarity and complementarity are relative to ||point|| + sum_k x_k ||a_k||: large
+    multipliers (near-dependent gradients) cost eps of that much in any arithmetic.
+    """
+    size = float(np.linalg.norm(point))
+    inner = factor.T @ projection
+    column_norms = np.linalg.norm(factor, axis=0)
+    dual = float(np.max(-inner / np.maximum(column_norms, np.finfo(float).tiny))) / size
+    magnitude = size + float(multipliers @ column_norms)
+    stationarity = float(np.linalg.norm(point + factor @ multipliers - projection)) / magnitude
+    complementarity = float(np.max(np.abs(multipliers * inner))) / (size * magnitude)
+    return max(dual, stationarity, complementarity, 0.0)
+
+
+def _span_factor(cosines: np.ndarray) -> np.ndarray:
+    """A (r x K) with A^T A = cosines, dropping eigenvalues at round-off level.
+
+    Entries of a float64 unit-diagonal Gram carry relative error ~eps, so eigenvalues
+    below ~K eps of the largest are indistinguishable from zero: those directions are
+    dropped, which makes numerically dependent gradients exactly dependent.
+    """
+    eigenvalues, eigenvectors = np.linalg.eigh(0.5 * (cosines + cosines.T))
+    floor = _EIGENVALUE_FLOOR * len(cosines) * max(float(eigenvalues[-1]), 0.0)
+    keep = eigenvalues > floor
+    return np.sqrt(eigenvalues[keep])[:, None] * eigenvectors[:, keep].T
+
+
+def _nonnegative_least_squares(
+    factor: np.ndarray, point: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Lawson & Hanson (1974): min ||point + A x|| over x >= 0; returns x and the residual.
+
+    The residual is the projection of ``point`` onto the cone {y : A^T y >= 0}. On the
+    passive set P the least-squares problem is solved by SVD and the residual taken as
+    ``point`` minus its orthogonal projection onto span(A_P), never as ``point + A_P x_P``
+    (which cancels when x is large). A column whose entry would leave A_P numerically
+    rank-deficient is excluded; the loop also stops when round-off stops progress.
+    """
+    num = factor.shape[1]
+    size = float(np.linalg.norm(point))
+    multipliers = np.zeros(num)
+    residual = point.copy()
+    if size == 0.0 or factor.shape[0] == 0:
+        return multipliers, residual
+    passive = np.zeros(num, dtype=bool)
+    excluded = np.zeros(num, dtype=bool)
+    column_norms = np.linalg.norm(factor, axis=0)
+    for _ in range(10 * num + 20):
+        violation = -(factor.T @ residual)
+        noise = _VIOLATION_TOLERANCE * size * np.maximum(column_norms, 1.0)
+        candidates = ~passive & ~excluded & (violation > noise)
+        if not np.any(candidates):
+            break
+        entering = int(np.argmax(np.where(candidates, violation, -np.inf)))
+        previous = (multipliers.copy(), residual.copy(), passive.copy())
+        passive[entering] = True
+        for _ in range(10 * num + 20):
+            solved = _passive_least_squares(factor[:, passive], point)
+            if solved is None:
+                passive[entering] = False
+                excluded[entering] = True
+                break
+            coefficients, trial_residual = solved
+            trial = np.zeros(num)
+            trial[passive] = coefficients
+            if np.all(coefficients > 0.0):
+                multipliers, residual = trial, trial_residual
+                break
+            blocking = passive & (trial <= 0.0)
+            ratios = multipliers[blocking] / (multipliers[blocking] - trial[blocking])
+            multipliers = multipliers + float(np.min(ratios)) * (trial - multipliers)
+            passive &= multipliers > _TOLERANCE * max(1.0, float(np.max(multipliers)))
+            multipliers[~passive] = 0.0
+            if not passive[entering]:
+                excluded[entering] = True
+                break
+            if not np.any(passive):
+                residual = point.copy()
+                break
+        before, after = np.linalg.norm(previous[1]), np.linalg.norm(residual)
+        if after > before:
+            # Round-off, not progress: keep the better point and stop.
+            multipliers, residual, passive = previous
+            break
+        if after < before:
+            excluded[:] = False
+    return multipliers, residual
+
+
+def _passive_least_squares(
+    columns: np.ndarray, point: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """x minimizing ||point + C x|| and the residual; None when C is numerically rank-deficient."""
+    left, singular, right = np.linalg.svd(columns, full_matrices=False)
+    if singular[-1] <= _RANK_TOLERANCE * singular[0]:
+        return None
+    along = left.T @ point
+    coefficients = -(right.T @ (along / singular))
+    return coefficients, point - left @ along
 
 
 def _validated(gram: np.ndarray, lower: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -127,83 +268,3 @@ def _validated(gram: np.ndarray, lower: np.ndarray) -> tuple[np.ndarray, np.ndar
     if not (np.all(np.isfinite(gram)) and np.all(np.isfinite(lower))):
         raise ValueError("the Gram matrix and lower bound must be finite")
     return 0.5 * (gram + gram.T), lower
-
-
-def _lawson_hanson(gram: np.ndarray, lower: np.ndarray) -> np.ndarray:
-    """Lawson & Hanson (1974) NNLS on the normal equations, for x = v - lower >= 0.
-
-    Objective f(x) = (lower + x)^T G (lower + x). The passive set P holds the free
-    coordinates; on P we solve G_PP x_P = -(G lower)_P exactly. In exact arithmetic the
-    rows of J in P stay linearly independent (a row enters only if it has a positive
-    component along the current residual), so G_PP is non-singular; a coordinate whose
-    row is numerically dependent on P is excluded instead of entering. The method stops
-    when no bound has a descending multiplier above round-off, or when round-off stops
-    the objective from decreasing (the best point is kept).
-    """
-    num = len(gram)
-    offset = gram @ lower
-    base_tolerance = _TOLERANCE * np.sqrt(max(float(lower @ offset), 0.0))
-    x = np.zeros(num)
-    passive = np.zeros(num, dtype=bool)
-    excluded = np.zeros(num, dtype=bool)
-    best_value = float((lower + x) @ (offset + gram @ x))
-    for _ in range(10 * num + 20):
-        weights = lower + x
-        descent = -(gram @ weights)
-        # Round-off in (G v)_j is about eps * sum_k |G_jk v_k|; below that nothing is known.
-        noise = base_tolerance + 64.0 * np.finfo(float).eps * (np.abs(gram) @ np.abs(weights))
-        candidates = ~passive & ~excluded & (descent > noise)
-        if not np.any(candidates):
-            break
-        entering = int(np.argmax(np.where(candidates, descent, -np.inf)))
-        previous_x, previous_passive = x.copy(), passive.copy()
-        passive[entering] = True
-        for _ in range(10 * num + 20):
-            solved = _solve_subproblem(gram, offset, passive)
-            if solved is None:
-                # The entering row is (numerically) a combination of the passive ones.
-                passive[entering] = False
-                excluded[entering] = True
-                break
-            trial = np.zeros(num)
-            trial[passive] = solved
-            if np.all(trial[passive] > 0.0):
-                x = trial
-                break
-            blocking = passive & (trial <= 0.0)
-            step = float(np.min(x[blocking] / (x[blocking] - trial[blocking])))
-            x = x + step * (trial - x)
-            passive &= x > _TOLERANCE * max(1.0, float(np.max(x)))
-            passive[blocking & (step == 0.0)] = False
-            x[~passive] = 0.0
-            if not passive[entering]:
-                excluded[entering] = True
-                break
-            if not np.any(passive):
-                break
-        value = float((lower + x) @ (offset + gram @ x))
-        if value > best_value:
-            # Round-off, not progress: keep the best point and stop.
-            x, passive = previous_x, previous_passive
-            break
-        if value < best_value:
-            excluded[:] = False
-        best_value = value
-    return lower + x
-
-
-def _solve_subproblem(
-    gram: np.ndarray, offset: np.ndarray, passive: np.ndarray
-) -> np.ndarray | None:
-    """Solve G_PP x_P = -(G lower)_P by Cholesky; None when G_PP is numerically singular."""
-    block = gram[np.ix_(passive, passive)]
-    rhs = -offset[passive]
-    try:
-        factor = np.linalg.cholesky(block)
-    except np.linalg.LinAlgError:
-        return None
-    # A pivot below 1e-7 of the largest row norm means the rows are dependent to
-    # within what a float64 Gram can resolve (its entries carry relative error ~1e-16).
-    if np.min(np.diag(factor)) <= 1e-7 * np.sqrt(np.max(np.diag(block))):
-        return None
-    return np.linalg.solve(factor.T, np.linalg.solve(factor, rhs))

@@ -51,10 +51,11 @@ class Harmonizer(ABC):
         if (jacobian is None) == (gram is None):
             raise ValueError("pass exactly one of `jacobian` (K x D) or `gram=` (K x K)")
         if jacobian is not None:
-            jacobian = _validated_jacobian(jacobian)
+            # Harmonization is not part of the graph: never backpropagate through it.
+            jacobian = _validated_jacobian(jacobian).detach()
             gram = accumulate_gram(jacobian)
         else:
-            gram = _validated_gram(gram)
+            gram = _validated_gram(gram).detach()
         valid = _usable_objectives(gram)
         num_objectives = gram.shape[0]
         dropped = tuple(int(index) for index in torch.nonzero(~valid).flatten())
@@ -118,13 +119,39 @@ def combine(jacobian: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     used = weights != 0
     if not used.any():
         return torch.zeros(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
+    narrowed = weights.to(jacobian.dtype)
+    if not (torch.isfinite(narrowed).all() and torch.equal(narrowed != 0, used)):
+        return _combine_in_float64(jacobian, weights, used)
     if used.all():
-        return weights.to(jacobian.dtype) @ jacobian
+        return narrowed @ jacobian
     # Unused rows may hold NaN (0 * NaN = NaN): accumulate the used rows one by one
     # rather than copying them out of a possibly huge stack.
     direction = torch.zeros(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
     for index in torch.nonzero(used).flatten().tolist():
         direction.add_(jacobian[index], alpha=float(weights[index]))
+    return direction
+
+
+def _combine_in_float64(
+    jacobian: torch.Tensor, weights: torch.Tensor, used: torch.Tensor
+) -> torch.Tensor:
+    """The combination for weights that over- or underflow the stack's dtype.
+
+    Gradients whose norms span float32's whole range get weights like 1e60 on their
+    smallest rows; summing in float64 span by span keeps the (representable) result.
+    """
+    direction = torch.empty(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
+    span = 1 << 20
+    rows = torch.nonzero(used).flatten().tolist()
+    for start in range(0, jacobian.shape[1], span):
+        piece = torch.zeros(
+            min(span, jacobian.shape[1] - start), dtype=torch.float64, device=jacobian.device
+        )
+        for index in rows:
+            piece.add_(
+                jacobian[index, start : start + span].to(torch.float64), alpha=float(weights[index])
+            )
+        direction[start : start + span] = piece
     return direction
 
 
@@ -181,14 +208,11 @@ def _validated_gram(gram: torch.Tensor) -> torch.Tensor:
 
 
 def _usable_objectives(gram: torch.Tensor) -> torch.Tensor:
-    """Objectives whose gradient is finite and non-zero, read off the Gram's diagonal.
+    """Objectives whose gradient is finite and not exactly zero, read off the Gram's diagonal.
 
     A NaN or Inf anywhere in a gradient makes its squared norm non-finite; the other
-    objectives' entries stay usable.
+    objectives' entries stay usable. A small gradient is still a gradient: the Gram
+    keeps it exact at any norm spread, and scale-aware methods treat it as such.
     """
     diagonal = torch.diagonal(gram).cpu()
-    finite = torch.isfinite(diagonal)
-    scale = diagonal[finite].max() if finite.any() else torch.tensor(0.0, dtype=torch.float64)
-    # A norm below 1e-12 of the largest one is zero for every practical purpose and
-    # would make normalization explode.
-    return finite & (diagonal > 0) & (diagonal > scale * 1e-24)
+    return torch.isfinite(diagonal) & (diagonal > 0)
