@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: demo toys mini test lint bench clean
+.PHONY: demo toys mini test fuzz lint bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# Debian's Tesseract for the OCR reward (skipped when already on PATH).
@@ -33,6 +33,11 @@ mini: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest
+
+# The property tests with fresh randomness and many examples (FUZZ_EXAMPLES per test,
+# default 4000: ~20k in all). `make test` replays a fixed, derandomized set instead.
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -m hypothesis tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -56,7 +56,6 @@ def test_normalize_rescale_formula() -> None:
     torch.testing.assert_close(MGDA()(TORCHJD_EXAMPLE).direction, expected, atol=1e-7, rtol=1e-7)
 
 
-@settings(max_examples=60, deadline=None)
 @given(jacobians())
 def test_mgda_direction_never_conflicts(jacobian: torch.Tensor) -> None:
     if len(jacobian) < 2:
@@ -69,7 +68,6 @@ def test_mgda_direction_never_conflicts(jacobian: torch.Tensor) -> None:
         assert (units @ direction / direction.norm()).min() >= -1e-6
 
 
-@settings(max_examples=60, deadline=None)
 @given(jacobians(), st.randoms(use_true_random=False))
 def test_mgda_permutation_permutes_weights(jacobian: torch.Tensor, random) -> None:
     if len(jacobian) < 2:
@@ -82,7 +80,6 @@ def test_mgda_permutation_permutes_weights(jacobian: torch.Tensor, random) -> No
         torch.testing.assert_close(permuted.weights, base.weights[order], atol=1e-6, rtol=1e-5)
 
 
-@settings(max_examples=40, deadline=None)
 @given(jacobians(), st.floats(1e-3, 1e3))
 def test_mgda_scaling(jacobian: torch.Tensor, factor: float) -> None:
     if len(jacobian) < 2:

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -231,19 +231,29 @@ def test_gradvac_matches_torchjd_over_several_steps() -> None:
 # --- properties ----------------------------------------------------------------------
 
 
-@settings(max_examples=50, deadline=None)
+# Found by Hypothesis on an AMD EPYC: a near-opposed pair plus a third gradient, where
+# every v >= lower is ~1e6 and the old normal-equations solver stopped infeasible.
+AMD_COUNTEREXAMPLE = torch.tensor(
+    [[-1.0, -5.9605e-08], [0.5, -5.9605e-08], [-5.9605e-08, 1.0]], dtype=torch.float64
+)
+
+
 @given(jacobians(), st.sampled_from(["upgrad", "dualproj"]))
+@example(AMD_COUNTEREXAMPLE, "upgrad")
+@example(AMD_COUNTEREXAMPLE, "dualproj")
 def test_upgrad_and_dualproj_never_conflict(jacobian: torch.Tensor, name: str) -> None:
     if len(jacobian) < 2:
         return
     result = build(name)(jacobian)
     scale = float(jacobian.norm(dim=1).max()) ** 2
-    assert (jacobian @ result.direction).min() >= -1e-9 * scale
+    assert (jacobian @ result.direction).min() >= -1e-12 * scale
     assert result.kkt_residual < 1e-9
-    assert (result.weights >= 0).all()
+    if well_conditioned(jacobian):
+        # Unique weights, so they are the textbook v >= lower. Near-dependent stacks
+        # may get min-norm weights of either sign instead (same direction, no cancellation).
+        assert (result.weights >= 0).all()
 
 
-@settings(max_examples=50, deadline=None)
 @given(
     jacobians(),
     st.sampled_from(["upgrad", "dualproj", "cagrad", "nashmtl", "imtlg", "alignedmtl"]),
