@@ -6,3 +6,11 @@ class SolverError(RuntimeError):
 
     Configuration and shape errors are ``ValueError`` and are never swallowed.
     """
+
+
+class UnusedParameterError(ValueError):
+    """A parameter is not in the graph of any objective: a configuration error, not a zero.
+
+    Zeros are right only where one objective does not touch a parameter that another
+    does; a parameter no objective reaches means the wrong tensors were passed.
+    """

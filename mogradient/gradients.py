@@ -7,14 +7,20 @@ engine lives in :mod:`mogradient.distributed`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from mogradient.errors import UnusedParameterError
 from mogradient.objectives import CombinableLoss
 
 ParameterFilter = Callable[[str, nn.Parameter], bool]
+# Plain tensors, or named ones (``module.named_parameters()`` or a dict) so that errors
+# can name the parameter.
+Parameters = (
+    Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+)
 
 
 def select_parameters(module: nn.Module, keep: ParameterFilter | None = None) -> list[nn.Parameter]:
@@ -34,30 +40,29 @@ def select_parameters(module: nn.Module, keep: ParameterFilter | None = None) ->
 
 def objective_gradients(
     losses: torch.Tensor | Sequence[torch.Tensor],
-    parameters: Iterable[torch.Tensor],
+    parameters: Parameters,
     method: str = "sequential",
     chunk_size: int | None = None,
     retain_graph: bool = False,
 ) -> torch.Tensor:
     """Return the K x D stack of flattened gradients of each loss w.r.t. ``parameters``.
 
-    A parameter that a loss does not depend on contributes zeros. ``retain_graph``
-    keeps the graph alive after the last pass (for a later combined backward).
+    A parameter that one loss does not depend on but another does contributes zeros to
+    the first one's row. A parameter that no loss depends on raises
+    :class:`~mogradient.errors.UnusedParameterError`. ``retain_graph`` keeps the graph
+    alive after the last pass (for a later combined backward). ``parameters`` may be
+    named (``module.named_parameters()``), so that the error names them.
     """
-    parameters = _checked_parameters(parameters)
+    parameters, names = _checked_parameters(parameters)
     losses = _stacked_losses(losses)
     if method == "sequential":
-        rows = []
-        for index, loss in enumerate(losses):
-            keep = retain_graph or index < len(losses) - 1
-            grads = torch.autograd.grad(loss, parameters, retain_graph=keep, allow_unused=True)
-            rows.append(_flatten(grads, parameters))
-        return torch.stack(rows)
+        return _sequential(losses, parameters, names, retain_graph)
     if method == "batched":
         return _batched_vjp(
             losses,
             torch.eye(len(losses), dtype=losses.dtype, device=losses.device),
             parameters,
+            names,
             chunk_size,
             retain_graph,
         )
@@ -66,7 +71,7 @@ def objective_gradients(
 
 def combinable_gradients(
     loss: CombinableLoss,
-    parameters: Iterable[torch.Tensor],
+    parameters: Parameters,
     method: str = "batched",
     chunk_size: int | None = None,
     retain_graph: bool = False,
@@ -75,19 +80,18 @@ def combinable_gradients(
 
     ``batched`` back-propagates the shared terms once per chunk of objectives with the
     coefficients as cotangents, so the forward graph is walked K/chunk times in one
-    vmapped pass instead of K separate ones.
+    vmapped pass instead of K separate ones. Unused parameters are handled as in
+    :func:`objective_gradients`.
     """
-    parameters = _checked_parameters(parameters)
+    parameters, names = _checked_parameters(parameters)
     if method == "sequential":
-        return objective_gradients(
-            loss.objective_losses(), parameters, "sequential", retain_graph=retain_graph
-        )
+        return _sequential(loss.objective_losses(), parameters, names, retain_graph)
     if method != "batched":
         raise ValueError(f"unknown gradient method {method!r}; use 'sequential' or 'batched'")
     terms = loss.terms.reshape(-1)
     cotangents = loss.coefficients.to(device=terms.device, dtype=terms.dtype)
     cotangents = cotangents.reshape(loss.num_objectives, -1)
-    return _batched_vjp(terms, cotangents, parameters, chunk_size, retain_graph)
+    return _batched_vjp(terms, cotangents, parameters, names, chunk_size, retain_graph)
 
 
 def write_gradient(parameters: Iterable[torch.Tensor], direction: torch.Tensor) -> None:
@@ -105,13 +109,36 @@ def write_gradient(parameters: Iterable[torch.Tensor], direction: torch.Tensor) 
         offset += size
 
 
+def _sequential(
+    losses: torch.Tensor,
+    parameters: list[torch.Tensor],
+    names: list[str] | None,
+    retain_graph: bool,
+) -> torch.Tensor:
+    """One backward per loss; a parameter is unused only if no loss reached it."""
+    rows, used = [], [False] * len(parameters)
+    for index, loss in enumerate(losses):
+        keep = retain_graph or index < len(losses) - 1
+        grads = torch.autograd.grad(loss, parameters, retain_graph=keep, allow_unused=True)
+        used = [seen or grad is not None for seen, grad in zip(used, grads, strict=True)]
+        rows.append(_flatten(grads, parameters))
+    _check_used(used, parameters, names)
+    return torch.stack(rows)
+
+
 def _batched_vjp(
     outputs: torch.Tensor,
     cotangents: torch.Tensor,
     parameters: list[torch.Tensor],
+    names: list[str] | None,
     chunk_size: int | None,
     retain_graph: bool,
 ) -> torch.Tensor:
+    """Rows ``cotangents @ d outputs / d parameters``, ``chunk_size`` rows per vmapped pass.
+
+    All rows share one graph, so a parameter autograd reports unused is unused by every
+    objective: checked on the first chunk.
+    """
     count = cotangents.shape[0]
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 (or None for all at once), got {chunk_size}")
@@ -127,8 +154,9 @@ def _batched_vjp(
             retain_graph=keep,
             is_grads_batched=True,
             allow_unused=True,
-            materialize_grads=True,
         )
+        if start == 0:
+            _check_used([grad is not None for grad in grads], parameters, names)
         rows.append(torch.cat([grad.reshape(len(block), -1) for grad in grads], dim=1))
     return torch.cat(rows)
 
@@ -147,14 +175,53 @@ def _flatten(grads: Sequence[torch.Tensor | None], parameters: list[torch.Tensor
     )
 
 
-def _checked_parameters(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    parameters = list(parameters)
-    if not parameters:
+def _checked_parameters(parameters: Parameters) -> tuple[list[torch.Tensor], list[str] | None]:
+    """The tensors to differentiate, and their names when given as (name, tensor) pairs."""
+    items = list(parameters.items() if isinstance(parameters, Mapping) else parameters)
+    if not items:
         raise ValueError("the parameter set is empty: pass the parameters to differentiate")
-    frozen = [index for index, parameter in enumerate(parameters) if not parameter.requires_grad]
+    named = [isinstance(item, tuple) for item in items]
+    if any(named) and not all(named):
+        raise ValueError("pass either tensors or (name, tensor) pairs, not a mix")
+    names = [str(item[0]) for item in items] if all(named) else None
+    tensors = [item[1] for item in items] if all(named) else items
+    frozen = [
+        _describe(index, tensor, names)
+        for index, tensor in enumerate(tensors)
+        if not tensor.requires_grad
+    ]
     if frozen:
-        raise ValueError(f"parameters at positions {frozen} do not require grad")
-    return parameters
+        raise ValueError(f"parameters that do not require grad: {', '.join(frozen)}")
+    return tensors, names
+
+
+def _check_used(
+    used: Sequence[bool], parameters: list[torch.Tensor], names: list[str] | None
+) -> None:
+    """Raise for parameters that no objective reached (autograd returned no gradient)."""
+    unused = [
+        _describe(i, p, names)
+        for i, (seen, p) in enumerate(zip(used, parameters, strict=True))
+        if not seen
+    ]
+    if not unused:
+        return
+    shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+    raise UnusedParameterError(
+        f"{len(unused)} of {len(parameters)} parameters are not in the graph of any "
+        f"objective: {shown}. Their gradient would be silently zero. Likely causes: the "
+        "parameter is not used by the forward (a disabled adapter or branch, a frozen "
+        "submodule), or the tensors passed are not the ones the forward reads, as with "
+        "FSDP2 (fully_shard) shards, whose forward uses all-gathered copies. Fix: pass "
+        "only parameters the losses depend on (select_parameters with a filter); under "
+        "FSDP2, run one backward() per objective and read the sharded .grad, or use DDP "
+        "(mogradient.distributed)."
+    )
+
+
+def _describe(index: int, parameter: torch.Tensor, names: list[str] | None) -> str:
+    name = f" {names[index]!r}" if names is not None else ""
+    return f"parameter {index}{name} (shape {tuple(parameter.shape)})"
 
 
 def _stacked_losses(losses: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:

@@ -13,6 +13,7 @@ from mogradient import (
     select_parameters,
     write_gradient,
 )
+from mogradient.errors import UnusedParameterError
 
 
 def _model_and_losses() -> tuple[nn.Module, list[torch.Tensor]]:
@@ -57,11 +58,63 @@ def test_combinable_engines_agree() -> None:
     torch.testing.assert_close(batched, sequential, rtol=1e-5, atol=1e-7)
 
 
-def test_unused_parameters_get_zero_rows() -> None:
-    model = nn.ModuleDict({"used": nn.Linear(2, 1), "unused": nn.Linear(2, 1)})
-    loss = model["used"](torch.ones(1, 2)).sum()
-    stack = objective_gradients([loss], model.parameters())
-    assert stack.shape == (1, 6) and (stack[0, 3:] == 0).all()
+def _two_heads() -> tuple[nn.ModuleDict, torch.Tensor]:
+    """Two heads on one input: loss 0 reads only head "a", loss 1 reads both."""
+    torch.manual_seed(2)
+    model = nn.ModuleDict({"a": nn.Linear(2, 1), "b": nn.Linear(2, 1), "spare": nn.Linear(2, 1)})
+    x = torch.randn(4, 2)
+    a, b = model["a"](x).sum(), model["b"](x).sum()
+    return model, torch.stack([a, a + b])
+
+
+ENGINES = [("sequential", None), ("batched", None), ("batched", 1)]
+
+
+@pytest.mark.parametrize(("method", "chunk"), ENGINES)
+def test_a_parameter_one_objective_does_not_touch_gets_zeros_in_its_row(method, chunk) -> None:
+    model, losses = _two_heads()
+    parameters = [*model["a"].parameters(), *model["b"].parameters()]
+    stack = objective_gradients(losses, parameters, method=method, chunk_size=chunk)
+    assert stack.shape == (2, 6)
+    assert (stack[0, 3:] == 0).all() and (stack[1, 3:] != 0).any()
+    torch.testing.assert_close(stack[0, :3], stack[1, :3], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("method", "chunk"), ENGINES)
+def test_a_parameter_no_objective_touches_is_an_error_naming_it(method, chunk) -> None:
+    model, losses = _two_heads()
+    with pytest.raises(
+        UnusedParameterError, match=r"parameter 4 'spare.weight' \(shape \(1, 2\)\)"
+    ):
+        objective_gradients(losses, model.named_parameters(), method=method, chunk_size=chunk)
+    model, losses = _two_heads()
+    with pytest.raises(
+        ValueError, match=r"2 of 6 parameters .* parameter 4 \(shape \(1, 2\)\).*FSDP2"
+    ):
+        objective_gradients(losses, model.parameters(), method=method, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("method", ["sequential", "batched"])
+def test_combinable_gradients_keep_genuine_zeros_and_reject_unused_parameters(method) -> None:
+    torch.manual_seed(3)
+    model = nn.ModuleDict({"a": nn.Linear(3, 1), "b": nn.Linear(3, 1), "spare": nn.Linear(3, 1)})
+    x = torch.randn(5, 3)
+    terms = torch.cat([model["a"](x).T, model["b"](x).T])  # J = 2 terms x B = 5 samples
+    coefficients = torch.rand(2, 2, 5)
+    coefficients[0, 1] = 0  # objective 0 does not read head "b"
+    loss = CombinableLoss(terms, coefficients)
+    heads = [*model["a"].parameters(), *model["b"].parameters()]
+    stack = combinable_gradients(loss, heads, method=method, retain_graph=True)
+    assert (stack[0, 4:] == 0).all() and (stack[1, 4:] != 0).any()
+    with pytest.raises(UnusedParameterError, match=r"'spare\.bias'"):
+        combinable_gradients(loss, dict(model.named_parameters()), method=method)
+
+
+def test_named_parameters_give_the_same_stack_as_plain_ones() -> None:
+    model, losses = _model_and_losses()
+    plain = objective_gradients(losses, model.parameters(), retain_graph=True)
+    named = objective_gradients(losses, model.named_parameters())
+    torch.testing.assert_close(named, plain, rtol=0, atol=0)
 
 
 def test_parameter_filter_and_errors() -> None:
@@ -74,6 +127,12 @@ def test_parameter_filter_and_errors() -> None:
         objective_gradients([torch.tensor(1.0, requires_grad=True)], [])
     with pytest.raises(ValueError, match="scalar"):
         objective_gradients([model(torch.ones(3, 2))], model.parameters())
+    with pytest.raises(ValueError, match="do not require grad: parameter 0"):
+        objective_gradients([model(torch.ones(1, 2)).sum()], [torch.ones(2)])
+    with pytest.raises(ValueError, match="not a mix"):
+        objective_gradients(
+            [model(torch.ones(1, 2)).sum()], [("w", model[0].weight), model[0].bias]
+        )
     with pytest.raises(ValueError, match="unknown gradient method"):
         objective_gradients([model(torch.ones(1, 2)).sum()], model.parameters(), method="x")
 
