@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerances import chain_atol
 
 from mogradient_diffusion.policy import LoraSpec, Policy
 from mogradient_diffusion.rollout import RolloutBatch, integrate, rollout, sampler_sigmas
@@ -138,8 +139,25 @@ def test_rollout_batch_shapes_grouping_and_chunking(policy: Policy) -> None:
     assert len(whole.embeds) == 6
     assert torch.equal(whole.embeds.prompt_embeds[0], whole.embeds.prompt_embeds[2])
     assert not torch.equal(whole.embeds.pooled[0], whole.embeds.pooled[3])
-    torch.testing.assert_close(chunked.latents, whole.latents, rtol=0, atol=1e-6)
-    torch.testing.assert_close(chunked.images, whole.images, rtol=0, atol=1e-6)
+    # Chunks of 4 + 2 rows are not bitwise the 6-row batch: MKL picks another GEMM kernel
+    # for the 2-row matmuls (first seen in the timestep embedder's linear_1), so every
+    # layer of every velocity may round differently (1-2 ulps of |v| seen on AMD EPYC).
+    # Budget 16 ulps per evaluation for other CPUs and kernels, once per sampling step.
+    latent_atol = chain_atol(torch.float32, whole.latents.abs().max(), ulps=16 * 2)
+    torch.testing.assert_close(chunked.latents, whole.latents, rtol=0, atol=latent_atol)
+    # The decoder carries that to the images with its gain, and its own convolutions and
+    # group norms round by batch size too (34 ulps of the [0, 1] range seen for 1 vs 6 rows).
+    image_atol = _decoder_gain(policy, whole.latents) * latent_atol
+    image_atol += chain_atol(torch.float32, 1.0, ulps=128)
+    torch.testing.assert_close(chunked.images, whole.images, rtol=0, atol=image_atol)
+
+
+def _decoder_gain(policy: Policy, latents: torch.Tensor) -> float:
+    """max |decode(x + d) - decode(x)| / max |d| for a small random d (about 7 here)."""
+    delta = 1e-3 * torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        change = policy.decode(latents + delta) - policy.decode(latents)
+    return float(change.abs().max() / delta.abs().max())
 
 
 def test_rollout_uses_the_adapter_and_leaves_default_trainable(policy: Policy) -> None:
