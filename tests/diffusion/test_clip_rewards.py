@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tolerances import chain_atol
 from torch import nn
 
 from mogradient_diffusion.rewards import RewardSet
@@ -70,7 +71,10 @@ def test_clipscore_is_the_cosine_and_prompt_sensitive(clip_dir, images):
 def test_batch_size_chunks_give_the_same_scores(clip_dir, images):
     whole = PickScore(path=clip_dir)(images, PROMPTS)
     chunked = PickScore(path=clip_dir, batch_size=3)(images, PROMPTS)
-    torch.testing.assert_close(whole, chunked, rtol=1e-5, atol=1e-6)
+    # Chunks of 3 change the GEMM shapes, so each layer of both towers may round
+    # differently: 64 ulps of the scores' scale (logit_scale x cosine).
+    atol = chain_atol(torch.float32, whole.abs().max(), ulps=64)
+    torch.testing.assert_close(whole, chunked, rtol=0, atol=atol)
 
 
 def test_processor_can_come_from_another_directory(clip_dir, tmp_path, images):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tolerances import chain_atol
 
 pytest.importorskip("transformers")
 
@@ -163,7 +164,10 @@ def test_batch_size_does_not_change_scores(tiny):
     prompts = [*PROMPTS, "green sky"]
     whole = ImageReward(path=tiny["dir"])(batch, prompts)
     chunked = ImageReward(path=tiny["dir"], batch_size=2)(batch, prompts)
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    # Chunks of 2 change the GEMM shapes of every layer (vision tower, text cross-attention,
+    # MLP head): 64 ulps of the scores' scale.
+    atol = chain_atol(torch.float32, whole.abs().max(), ulps=64)
+    torch.testing.assert_close(chunked, whole, atol=atol, rtol=0)
 
 
 def test_prompt_changes_score_and_tokens_are_padded(tiny):

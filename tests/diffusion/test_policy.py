@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerances import chain_atol
 
 from mogradient_diffusion.policy import (
     LORA_TARGETS,
@@ -188,7 +189,10 @@ def test_decode_and_latent_shape(policy: Policy) -> None:
     images = policy.decode(latents, batch_size=2)
     assert images.shape == (3, 3, 64, 64)
     assert images.min() >= 0 and images.max() <= 1
-    torch.testing.assert_close(images, policy.decode(latents))
+    # 2 + 1 rows vs 3: the decoder's convolutions and group norms round by batch size
+    # (34 ulps of the [0, 1] range seen for 1 vs 6 rows on AMD EPYC); budget 128.
+    whole = policy.decode(latents)
+    torch.testing.assert_close(images, whole, rtol=0, atol=chain_atol(torch.float32, 1.0, 128))
     with pytest.raises(ValueError, match="multiple of 16"):
         policy.latent_shape(40)
 
