@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 
@@ -80,6 +82,9 @@ class TrainConfig:
     # old_cap: null keeps the schedule's own cap (linear 0.5, delayed_linear 0.999).
     old_schedule: str = "linear"
     old_cap: float | None = 0.95
+    # Consecutive optimizer steps with non-finite gradients that are skipped before the
+    # run stops (nothing non-finite is ever applied or checkpointed).
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -105,18 +110,24 @@ class StageConfig:
 
 @dataclass
 class StrategyConfig:
+    """Options a strategy does not use must stay unset (None / empty): ``STRATEGY_OPTIONS``.
+
+    None means "the strategy's own default" (``strategies.py``): MARBLE solves every 10
+    steps with rho 0.7, other harmonizers every step without smoothing.
+    """
+
     # marble | weighted_sum | sequential | single | reward_dropout | pcgrad | <harmonizer name>
     name: str = "marble"
     weights: list[float] | None = None  # weighted_sum / reward_dropout; None = equal
     reward: str | None = None  # single
     stages: list[StageConfig] = field(default_factory=list)  # sequential
-    period: int = 10  # full solve every N optimizer steps (1 = every step)
-    warmup_steps: int = 0
-    rho: float = 0.7  # EMA of cached weights (0 = none)
-    normalize: bool = True  # MGDA normalize-and-rescale (False: plain MGDA ablation)
-    fixed_alpha: bool = False  # ablation: equal alpha, no solve
-    dropout_probability: float = 0.3
-    dropout_warmup_steps: int = 0
+    period: int | None = None  # full solve every N optimizer steps (1 = every step)
+    warmup_steps: int | None = None
+    rho: float | None = None  # EMA of cached weights (0 = none)
+    normalize: bool | None = None  # MGDA normalize-and-rescale (False: plain MGDA ablation)
+    fixed_alpha: bool | None = None  # ablation: equal alpha, no solve
+    dropout_probability: float | None = None  # reward_dropout; default 0.3
+    dropout_warmup_steps: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # extra harmonizer options
 
 
@@ -151,6 +162,18 @@ class TrainingConfig:
 
 
 STRATEGIES = ("marble", "weighted_sum", "sequential", "single", "reward_dropout", "pcgrad")
+_AMORTIZED = ("period", "warmup_steps", "rho")
+# The StrategyConfig fields each strategy reads; any other harmonizer name reads
+# HARMONIZER_OPTIONS. Setting a field the chosen strategy ignores is an error.
+STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
+    "marble": (*_AMORTIZED, "normalize", "fixed_alpha"),
+    "weighted_sum": ("weights",),
+    "single": ("reward",),
+    "sequential": ("stages",),
+    "reward_dropout": ("weights", "dropout_probability", "dropout_warmup_steps"),
+    "pcgrad": _AMORTIZED,
+}
+HARMONIZER_OPTIONS = (*_AMORTIZED, "options")
 SAMPLERS = ("euler", "dpm2", "sde")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -179,16 +202,22 @@ def load_config(
     preset: str | None = None,
     world_size: int = 1,
 ) -> TrainingConfig:
-    """Preset, then the YAML file, then ``a.b=value`` overrides; validated as a whole."""
+    """Preset, then the YAML file, then ``a.b=value`` overrides; validated as a whole.
+
+    Each is a layer; a layer that names another strategy starts that strategy from its
+    own defaults (the options below it belonged to the strategy it replaces).
+    """
     raw: dict[str, Any] = {}
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-        raw = _merge(raw, PRESETS[preset])
+        raw = _merge_layer(raw, PRESETS[preset])
     if path is not None:
-        raw = _merge(raw, _read_yaml(Path(path)))
+        raw = _merge_layer(raw, _read_yaml(Path(path)))
+    command_line: dict[str, Any] = {}
     for override in overrides:
-        raw = _merge(raw, _parse_override(override))
+        command_line = _merge(command_line, _parse_override(override))
+    raw = _merge_layer(raw, command_line)
     config = _build(TrainingConfig, raw, "config")
     validate(config, world_size)
     return config
@@ -196,7 +225,8 @@ def load_config(
 
 def validate(config: TrainingConfig, world_size: int = 1) -> None:
     """Semantic checks that types alone cannot express."""
-    rollout, train, strategy = config.rollout, config.train, config.strategy
+    rollout, train = config.rollout, config.train
+    _check_device("model.device", config.model.device)
     _choice("model.dtype", config.model.dtype, DTYPES)
     _choice("rollout.sampler", rollout.sampler, SAMPLERS)
     _choice("nft.form", config.nft.form, ("x0_adaptive", "velocity"))
@@ -211,7 +241,8 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
         ("train.epochs", train.epochs),
         ("train.batch_size", train.batch_size),
         ("train.gradient_accumulation", train.gradient_accumulation),
-        ("strategy.period", strategy.period),
+        ("train.max_nonfinite_steps", train.max_nonfinite_steps),
+        ("rollout.max_sequence_length", rollout.max_sequence_length),
         ("lora.rank", config.lora.rank),
     ]:
         if value < 1:
@@ -230,31 +261,45 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
 
 
 def _check_ranges(config: TrainingConfig) -> None:
-    train, strategy, run = config.train, config.strategy, config.run
+    train, strategy, run, lora = config.train, config.strategy, config.run, config.lora
+    beta1, beta2 = train.adam_betas
+    guidance = config.rollout.guidance_scale
     checks = [
-        ("strategy.rho", strategy.rho, 0 <= strategy.rho < 1, "in [0, 1)"),
+        ("lora.alpha", lora.alpha, lora.alpha > 0, "> 0"),
+        ("lora.dropout", lora.dropout, 0 <= lora.dropout < 1, "in [0, 1)"),
+        (
+            "train.adam_betas",
+            list(train.adam_betas),
+            0 <= beta1 < 1 and 0 <= beta2 < 1,
+            "in [0, 1)",
+        ),
+        ("train.weight_decay", train.weight_decay, train.weight_decay >= 0, ">= 0"),
         ("train.ema_decay", train.ema_decay, 0 <= train.ema_decay < 1, "in [0, 1)"),
         ("train.learning_rate", train.learning_rate, train.learning_rate > 0, "> 0"),
         ("train.grad_clip", train.grad_clip, train.grad_clip > 0, "> 0"),
+        ("rollout.guidance_scale", guidance, guidance >= 0, ">= 0"),
         ("nft.kl_coefficient", config.nft.kl_coefficient, config.nft.kl_coefficient >= 0, ">= 0"),
-        (
-            "strategy.dropout_probability",
-            strategy.dropout_probability,
-            0 <= strategy.dropout_probability <= 1,
-            "in [0, 1]",
-        ),
-        ("strategy.warmup_steps", strategy.warmup_steps, strategy.warmup_steps >= 0, ">= 0"),
-        (
-            "strategy.dropout_warmup_steps",
-            strategy.dropout_warmup_steps,
-            strategy.dropout_warmup_steps >= 0,
-            ">= 0",
-        ),
         ("run.checkpoint_every", run.checkpoint_every, run.checkpoint_every >= 1, ">= 1"),
         ("run.keep_checkpoints", run.keep_checkpoints, run.keep_checkpoints >= 1, ">= 1"),
     ]
-    if train.old_cap is not None:
-        checks.append(("train.old_cap", train.old_cap, 0 <= train.old_cap < 1, "in [0, 1)"))
+    optional = [  # unset (None) means the default, which is in range
+        ("strategy.rho", strategy.rho, lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("strategy.period", strategy.period, lambda v: v >= 1, ">= 1"),
+        ("strategy.warmup_steps", strategy.warmup_steps, lambda v: v >= 0, ">= 0"),
+        (
+            "strategy.dropout_probability",
+            strategy.dropout_probability,
+            lambda v: 0 <= v <= 1,
+            "in [0, 1]",
+        ),
+        ("strategy.dropout_warmup_steps", strategy.dropout_warmup_steps, lambda v: v >= 0, ">= 0"),
+        ("train.old_cap", train.old_cap, lambda v: 0 <= v < 1, "in [0, 1)"),
+    ]
+    checks += [
+        (key, value, check(value), expected)
+        for key, value, check, expected in optional
+        if value is not None
+    ]
     for key, value, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{key} must be {expected}, got {value}")
@@ -336,9 +381,12 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
         raise ConfigError(f"duplicate rewards in `rewards:`: {names}")
     for reward in config.rewards:
         _check_reward_options(reward, REWARDS[reward.name])
+        if isinstance(reward.options.get("device"), str):
+            _check_device(f"reward {reward.name!r} option device", reward.options["device"])
     known = set(STRATEGIES) | set(HARMONIZERS)
     if strategy.name not in known:
         raise ConfigError(f"unknown strategy.name {strategy.name!r}; choose one of {sorted(known)}")
+    _check_strategy_options(strategy)
     if strategy.weights is not None and len(strategy.weights) != len(names):
         raise ConfigError(
             f"strategy.weights has {len(strategy.weights)} entries for {len(names)} rewards {names}"
@@ -354,12 +402,45 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
                 raise ConfigError(f"sequential stage names unknown rewards {unknown}")
 
 
+def _check_strategy_options(strategy: StrategyConfig) -> None:
+    """Refuse options the strategy would ignore: "set" means given, whatever the value."""
+    used = STRATEGY_OPTIONS.get(strategy.name, HARMONIZER_OPTIONS)
+    given = [
+        item.name
+        for item in dataclasses.fields(strategy)
+        if item.name != "name" and getattr(strategy, item.name) not in (None, [], {})
+    ]
+    unused = [f"strategy.{key}" for key in given if key not in used]
+    if unused:
+        accepted = ", ".join(f"strategy.{key}" for key in used)
+        raise ConfigError(
+            f"strategy {strategy.name!r} does not use {', '.join(unused)}; remove it "
+            f"(its options: {accepted})"
+        )
+
+
+def _check_device(key: str, device: str) -> None:
+    """A device must parse, and CUDA must exist to be asked for (else set_device fails late)."""
+    if device == "auto":
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"{key}: {device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{key}={device!r} but CUDA is not available on this machine; use cpu")
+
+
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML config with its ``base:`` chain resolved (``seen``: the files that include it)."""
+    if path.resolve() in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path.resolve()))
+        raise ConfigError(f"`base:` files include each other in a cycle: {chain}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
@@ -370,7 +451,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} must hold a mapping at the top level")
     base = data.pop("base", None)
     if base is not None:
-        data = _merge(_read_yaml(path.parent / base), data)
+        data = _merge_layer(_read_yaml(path.parent / base, (*seen, path.resolve())), data)
     return data
 
 
@@ -386,6 +467,20 @@ def _parse_override(text: str) -> dict[str, Any]:
     for part in reversed(key.split(".")):
         nested = {part: nested}
     return nested
+
+
+def _merge_layer(raw: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """``layer`` over ``raw``; naming another strategy drops the options of the old one."""
+    strategy = layer.get("strategy")
+    current = raw.get("strategy")
+    if (
+        isinstance(strategy, dict)
+        and isinstance(current, dict)
+        and "name" in strategy
+        and strategy["name"] != current.get("name", StrategyConfig.name)
+    ):
+        raw = {**raw, "strategy": {}}
+    return _merge(raw, layer)
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -434,13 +529,28 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         if origin is dict and not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
         return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if hint is float:
+        return _finite_float(value, where)
     if hint in (int, float, str, bool) and (
         not isinstance(value, hint) or (hint is int and isinstance(value, bool))
     ):
         raise ConfigError(f"{where} must be {hint.__name__}, got {value!r}")
     return value
+
+
+def _finite_float(value: Any, where: str) -> float:
+    """Ints and numeric strings become floats (PyYAML reads ``3e-4`` as a string); inf and
+    NaN are refused: a non-finite rate or coefficient would poison the weights."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _plain(value: Any) -> Any:

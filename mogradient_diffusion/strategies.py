@@ -23,6 +23,10 @@ from mogradient_diffusion.config import StrategyConfig
 
 _GRADIENT_FREE = (FixedWeights, Mean, RandomWeights)
 _RANDOMIZED = ("rlw", "gradvac", "pcgrad")
+# (period, rho) when unset: MARBLE's amortized schedule; other harmonizers solve every
+# step without smoothing.
+MARBLE_SCHEDULE = (10, 0.7)
+EVERY_STEP = (1, 0.0)
 
 
 @dataclass
@@ -96,16 +100,17 @@ def build_strategy(config: StrategyConfig, reward_names: list[str], seed: int = 
     name = config.name
     if name == "marble":
         alpha_floor = 1.0 / count if config.fixed_alpha and count > 1 else 0.0
-        harmonizer: Harmonizer = MGDA(normalize=config.normalize, alpha_floor=alpha_floor)
-        return Strategy(name, reward_names, _amortizer(harmonizer, config))
+        normalize = True if config.normalize is None else config.normalize
+        harmonizer: Harmonizer = MGDA(normalize=normalize, alpha_floor=alpha_floor)
+        return Strategy(name, reward_names, _amortizer(harmonizer, config, MARBLE_SCHEDULE))
     if name in ("weighted_sum", "single", "sequential"):
         return _scalar_strategy(config, reward_names)
     if name == "reward_dropout":
         inner = FixedWeights(config.weights)
         harmonizer = RewardDropout(
             inner,
-            config.dropout_probability,
-            warmup_steps=config.dropout_warmup_steps,
+            0.3 if config.dropout_probability is None else config.dropout_probability,
+            warmup_steps=config.dropout_warmup_steps or 0,
             seed=seed,
         )
         return Strategy(name, reward_names, Amortizer(harmonizer, period=1, rho=0.0))
@@ -113,8 +118,7 @@ def build_strategy(config: StrategyConfig, reward_names: list[str], seed: int = 
     if name in _RANDOMIZED:  # reproducible and resumable: seeded from the run
         options.setdefault("seed", seed)
     harmonizer = PCGrad(seed=seed) if name == "pcgrad" else make_harmonizer(name, **options)
-    # Other harmonizers solve every step without smoothing unless the config says otherwise.
-    return Strategy(name, reward_names, _amortizer(harmonizer, config, default_every_step=True))
+    return Strategy(name, reward_names, _amortizer(harmonizer, config, EVERY_STEP))
 
 
 def _scalar_strategy(config: StrategyConfig, reward_names: list[str]) -> Strategy:
@@ -136,11 +140,9 @@ def _scalar_strategy(config: StrategyConfig, reward_names: list[str]) -> Strateg
 
 
 def _amortizer(
-    harmonizer: Harmonizer, config: StrategyConfig, default_every_step: bool = False
+    harmonizer: Harmonizer, config: StrategyConfig, defaults: tuple[int, float]
 ) -> Amortizer:
-    explicit = config.period != StrategyConfig.period or config.rho != StrategyConfig.rho
-    if default_every_step and not explicit:
-        return Amortizer(harmonizer, period=1, warmup_steps=config.warmup_steps, rho=0.0)
-    return Amortizer(
-        harmonizer, period=config.period, warmup_steps=config.warmup_steps, rho=config.rho
-    )
+    """Period and rho as configured, each unset one from the strategy's ``defaults``."""
+    period = defaults[0] if config.period is None else config.period
+    rho = defaults[1] if config.rho is None else config.rho
+    return Amortizer(harmonizer, period=period, warmup_steps=config.warmup_steps or 0, rho=rho)
