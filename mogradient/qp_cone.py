@@ -32,6 +32,8 @@ _EIGENVALUE_FLOOR = 4 * np.finfo(float).eps
 _RANK_TOLERANCE = 1e-10
 # Weights v >= lower are returned unless they exceed the min-norm ones this many times.
 _CANCELLATION_LIMIT = 1e3
+# Below this smallest/largest cosine-matrix eigenvalue, solves are redone on the stack.
+_REFINE_BELOW = 1e-6
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,37 @@ def solve_cone_qp(gram: np.ndarray, lower: np.ndarray, backend: str = "builtin")
         kkt_residual=residual,
         backend=backend,
     )
+
+
+def near_dependent(gram: np.ndarray) -> bool:
+    """Whether the gradients are close enough to dependent that the Gram-only solve may
+    lose digits (smallest cosine-matrix eigenvalue below ``_REFINE_BELOW`` of the largest)."""
+    gram = np.asarray(gram, dtype=np.float64)
+    norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
+    if len(gram) < 2 or not np.all(norms > 0):
+        return False
+    eigenvalues = np.linalg.eigvalsh(gram / np.outer(norms, norms))
+    return bool(eigenvalues[0] < _REFINE_BELOW * eigenvalues[-1])
+
+
+def project_on_stack(stack: np.ndarray, lower: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """The dual-cone projection of J^T lower computed on the stack J itself (float64).
+
+    Same active-set method as the Gram path, on the unit rows of J instead of a Gram
+    square root, so near-dependent gradients lose nothing. Returns weights v >= lower
+    (possibly large: they cancel), the projection d = J^T v computed without that
+    cancellation, and the KKT residual. Costs SVDs of D x |active| matrices.
+    """
+    rows = np.asarray(stack, dtype=np.float64)
+    norms = np.linalg.norm(rows, axis=1)
+    columns = (rows / norms[:, None]).T
+    target = np.asarray(lower, dtype=np.float64) * norms
+    point = columns @ target
+    multipliers, projection = _nonnegative_least_squares(columns, point)
+    if float(np.linalg.norm(point)) == 0.0:
+        return lower.copy(), projection, 0.0
+    residual = _projection_residual(columns, point, multipliers, projection)
+    return (target + multipliers) / norms, projection, residual
 
 
 def cone_kkt_residual(gram: np.ndarray, lower: np.ndarray, weights: np.ndarray) -> float:

@@ -17,6 +17,7 @@ from mogradient import make_harmonizer
 from mogradient.qp import solve_simplex_qp
 
 cp = pytest.importorskip("cvxpy")
+qpsolvers = pytest.importorskip("qpsolvers")
 
 TIGHT = {"tol_gap_abs": 1e-13, "tol_gap_rel": 1e-13, "tol_feas": 1e-13, "max_iter": 400}
 NEAR_SINGULAR_KINDS = ("opposed_pair", "near_duplicates", "rank_deficient")
@@ -61,7 +62,18 @@ def dual_cone_projection(jacobian: np.ndarray, point: np.ndarray) -> np.ndarray:
         cp.Minimize(cp.sum_squares(direction - point / size)),
         [unit_rows(jacobian) @ direction >= 0],
     )
-    problem.solve(solver=cp.CLARABEL, **TIGHT)
+    try:
+        problem.solve(solver=cp.CLARABEL, **TIGHT)
+    except cp.error.SolverError:
+        # Clarabel gives up on some degenerate cones (16 near-duplicate normals in 6-D);
+        # quadprog's dual active set on this strictly convex QP does not.
+        return size * qpsolvers.solve_ls(
+            np.eye(len(point)),
+            point / size,
+            G=-unit_rows(jacobian),
+            h=np.zeros(len(jacobian)),
+            solver="quadprog",
+        )
     return np.asarray(direction.value) * size
 
 
@@ -142,6 +154,10 @@ def test_plain_mgda_leans_on_the_smallest_gradient() -> None:
 
 
 # --- UPGrad and DualProj against their d-space definitions ---------------------------
+# A float64 Gram resolves a gradient's component off a near-dependent one only to
+# ~sqrt(eps) of its norm (1e-7 noise: ||noise||^2 = 1e-14 is known to ~1%), so on such
+# stacks the harmonizers redo the projection on the stack itself (refine=True, default);
+# the Gram-only solve is checked where the Gram does resolve it.
 
 
 def forming_round_off(result: object, jacobian: torch.Tensor) -> float:
@@ -151,59 +167,46 @@ def forming_round_off(result: object, jacobian: torch.Tensor) -> float:
     return 64 * eps * float(result.weights.abs() @ norms) / float(norms.max())
 
 
-def check_against_definition(name: str, jacobian: torch.Tensor, conflict: float | None) -> None:
-    """Direction within 1e-6 max||g|| of the definition; J d >= -conflict max||g||^2
-    (``None``: 1e-12, or the round-off of forming d from the weights where larger)."""
+def check_against_definition(name: str, jacobian: torch.Tensor, **options: object) -> object:
+    """Direction within 1e-6 max||g|| of the d-space definition; returns the result."""
     reference_of = upgrad_reference if name == "upgrad" else dualproj_reference
-    result = make_harmonizer(name)(jacobian)
+    result = make_harmonizer(name, **options)(jacobian)  # must never raise
     scale = float(jacobian.norm(dim=1).max())
     reference = reference_of(jacobian.numpy())
     assert np.linalg.norm(result.direction.numpy() - reference) <= 1e-6 * scale
-    allowed = max(forming_round_off(result, jacobian), 1e-12) if conflict is None else conflict
-    assert float((jacobian @ result.direction).min()) >= -allowed * scale**2
+    return result
 
 
 @pytest.mark.parametrize("kind", NEAR_SINGULAR_KINDS)
 @pytest.mark.parametrize("count", [2, 3, 5, 8, 16])
 @pytest.mark.parametrize("noise", [1e-4, 1e-7])
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
-def test_dual_cone_methods_never_raise_and_never_conflict_beyond_round_off(
+def test_dual_cone_methods_match_definition_on_near_singular_stacks(
     name: str, noise: float, kind: str, count: int
 ) -> None:
-    """What holds on every near-singular stack: a certified solve, and no conflict beyond
-    the round-off of forming d = sum_k w_k g_k (large weights are inherent when gradients
-    are near-dependent: v >= lower can need |v| ~ 1/noise)."""
     for seed in range(2):
         jacobian = near_singular_stack(kind, seed, count, noise=noise)
-        result = make_harmonizer(name)(jacobian)
-        forming = forming_round_off(result, jacobian)
-        assert result.kkt_residual < max(1e-9, forming)
+        result = check_against_definition(name, jacobian)
         scale = float(jacobian.norm(dim=1).max())
-        assert float((jacobian @ result.direction).min()) >= -max(forming, 1e-12) * scale**2
+        assert float((jacobian @ result.direction).min()) >= -1e-12 * scale**2
+        assert result.kkt_residual < 1e-9
 
 
 @pytest.mark.parametrize("kind", NEAR_SINGULAR_KINDS)
 @pytest.mark.parametrize("count", [2, 3, 5, 8])
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])
-def test_dual_cone_methods_match_definition_where_the_gram_resolves_it(
+def test_gram_only_solve_is_exact_where_the_gram_resolves_it(
     kind: str, count: int, name: str
 ) -> None:
+    """refine=False: 1e-4 noise is resolved by the Gram; conflicts stay within 1e-12 or the
+    round-off of forming d from (then large, ~1/noise) weights."""
     for seed in range(2):
-        check_against_definition(name, near_singular_stack(kind, seed, count, noise=1e-4), None)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9, open: a float64 Gram resolves a component off a near-dependent gradient "
-    "only to ~sqrt(eps) of its norm (1e-7 noise: ||noise||^2 = 1e-14 is known to ~1%), and "
-    "cancelling weights cost eps * |w|; the target needs a d-space refinement on the stack",
-)
-@pytest.mark.parametrize("name", ["upgrad", "dualproj"])
-def test_dual_cone_methods_match_definition_at_issue_target(name: str) -> None:
-    for kind in NEAR_SINGULAR_KINDS:
-        for count in (2, 3, 5, 8, 16):
-            for seed in range(2):
-                check_against_definition(name, near_singular_stack(kind, seed, count), 1e-12)
+        jacobian = near_singular_stack(kind, seed, count, noise=1e-4)
+        result = check_against_definition(name, jacobian, refine=False)
+        allowed = max(forming_round_off(result, jacobian), 1e-12)
+        scale = float(jacobian.norm(dim=1).max())
+        assert float((jacobian @ result.direction).min()) >= -allowed * scale**2
+        assert result.kkt_residual < max(1e-9, allowed)
 
 
 @pytest.mark.parametrize("name", ["upgrad", "dualproj"])

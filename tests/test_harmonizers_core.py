@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -68,15 +69,26 @@ def test_mgda_direction_never_conflicts(jacobian: torch.Tensor) -> None:
         assert (units @ direction / direction.norm()).min() >= -1e-6
 
 
+# Found by `make fuzz`: two nearly parallel gradients (cosine 1 - 1e-15) have full
+# numerical rank, but their simplex weights are not determined by any float64 Gram.
+NEAR_PARALLEL = torch.tensor(
+    [[-1.0, 5.9605e-08, 5.9605e-08], [-5.0, 5.9605e-08, 5.9605e-08]], dtype=torch.float64
+)
+
+
 @given(jacobians(), st.randoms(use_true_random=False))
-def test_mgda_permutation_permutes_weights(jacobian: torch.Tensor, random) -> None:
+@example(NEAR_PARALLEL, random.Random(0))
+def test_mgda_permutation_permutes_weights(jacobian: torch.Tensor, rng: random.Random) -> None:
     if len(jacobian) < 2:
         return
     order = list(range(len(jacobian)))
-    random.shuffle(order)
+    rng.shuffle(order)
     base, permuted = MGDA()(jacobian), MGDA()(jacobian[order])
     torch.testing.assert_close(permuted.direction, base.direction, atol=1e-7, rtol=1e-6)
-    if torch.linalg.matrix_rank(jacobian) == len(jacobian):
+    # Weights are unique only when the unit gradients are well conditioned: a singular
+    # value s of the unit stack lets the Gram's round-off move them by ~eps / s^2.
+    singular = torch.linalg.svdvals(jacobian / jacobian.norm(dim=1, keepdim=True))
+    if len(jacobian) <= jacobian.shape[1] and singular.min() > 1e-3 * singular.max():
         torch.testing.assert_close(permuted.weights, base.weights[order], atol=1e-6, rtol=1e-5)
 
 

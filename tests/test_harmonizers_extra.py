@@ -238,9 +238,18 @@ AMD_COUNTEREXAMPLE = torch.tensor(
 )
 
 
+# Found by `make fuzz`: an opposed pair with 1e-6 noise; weights ~1e5 cancel.
+OPPOSED_PAIR = torch.tensor(
+    [[-1.0, 1.0462e-06, 1.0462e-06], [1.0462e-06, -1.0, 1.0462e-06], [1.0, 1.0462e-06, 1.0462e-06]],
+    dtype=torch.float64,
+)
+
+
 @given(jacobians(), st.sampled_from(["upgrad", "dualproj"]))
 @example(AMD_COUNTEREXAMPLE, "upgrad")
 @example(AMD_COUNTEREXAMPLE, "dualproj")
+@example(OPPOSED_PAIR, "upgrad")
+@example(OPPOSED_PAIR, "dualproj")
 def test_upgrad_and_dualproj_never_conflict(jacobian: torch.Tensor, name: str) -> None:
     if len(jacobian) < 2:
         return

@@ -26,6 +26,9 @@ class Weighting:
     kkt_residual: float | None = None
     fallback: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    # Set by :meth:`Harmonizer.refine` when the direction was computed more exactly than
+    # ``sum_k w_k g_k`` can be (cancelling weights); None means that sum.
+    direction: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,15 @@ class Harmonizer(ABC):
                 )
             if not torch.isfinite(weighting.weights).all():
                 raise SolverError(f"{type(self).__name__} produced non-finite weights")
+            if jacobian is not None:
+                weighting = self.refine(jacobian, objectives, sub_gram, weighting) or weighting
             weights[objectives] = weighting.weights.to(torch.float64)
             if weighting.fallback is None and len(objectives) == 1 and num_objectives > 1:
                 weighting = Weighting(weighting.weights, weighting.kkt_residual, "single_objective")
         extra_dropped = tuple(weighting.extras.get("dropped", ()))
-        direction = None if jacobian is None else combine(jacobian, weights)
+        direction = weighting.direction
+        if direction is None and jacobian is not None:
+            direction = combine(jacobian, weights)
         return Harmonization(
             weights=weights,
             direction=direction,
@@ -96,6 +103,21 @@ class Harmonizer(ABC):
         entry positive and finite); ``objectives`` holds their indices in the caller's
         numbering, for methods that keep per-objective state.
         """
+
+    def refine(
+        self,
+        jacobian: torch.Tensor,
+        objectives: torch.Tensor,
+        gram: torch.Tensor,
+        weighting: Weighting,
+    ) -> Weighting | None:
+        """A more exact weighting computed on the stack's usable rows, or None to keep it.
+
+        A float64 Gram resolves a component of one gradient off a near-dependent other
+        only to ~sqrt(eps) of its norm. Methods whose answer hinges on such components
+        override this to redo the solve on ``jacobian[objectives]`` when ``gram`` says so.
+        """
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """State that a resumed run needs (RNG of randomized methods; subclasses add more)."""

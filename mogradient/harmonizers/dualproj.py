@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
-from mogradient.harmonizers.upgrad import preferences_for, regularized_gram, validated_reg_eps
+from mogradient.harmonizers.upgrad import (
+    preferences_for,
+    refined_on_stack,
+    regularized_gram,
+    validated_reg_eps,
+)
 from mogradient.qp_cone import solve_cone_qp
 
 
@@ -16,7 +21,7 @@ class DualProj(Harmonizer):
     non-negative inner product with every gradient, i.e. J^T v with
     v = argmin v^T G v s.t. v >= p, solved exactly on the Gram matrix.
     ``reg_eps > 0`` reproduces TorchJD's default projector (G / trace(G) + reg_eps * I;
-    TorchJD uses 1e-4); the default 0 is exact.
+    TorchJD uses 1e-4); the default 0 is exact. ``refine`` as in :class:`UPGrad`.
     """
 
     def __init__(
@@ -24,13 +29,29 @@ class DualProj(Harmonizer):
         pref_vector: list[float] | torch.Tensor | None = None,
         reg_eps: float = 0.0,
         backend: str = "builtin",
+        refine: bool = True,
     ) -> None:
         self.pref_vector = validated_preferences(pref_vector, "pref_vector")
         self.reg_eps = validated_reg_eps(reg_eps)
         self.backend = backend
+        self.refine_on_stack = bool(refine)
 
     def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
         lower = preferences_for(self.pref_vector, objectives).numpy()
         qp_gram = regularized_gram(gram, self.reg_eps).numpy()
         solution = solve_cone_qp(qp_gram, lower, backend=self.backend)
         return Weighting(torch.from_numpy(solution.weights), kkt_residual=solution.kkt_residual)
+
+    def refine(
+        self,
+        jacobian: torch.Tensor,
+        objectives: torch.Tensor,
+        gram: torch.Tensor,
+        weighting: Weighting,
+    ) -> Weighting | None:
+        lower = preferences_for(self.pref_vector, objectives).numpy()
+        return refined_on_stack(self.exact_refinement(), jacobian, objectives, gram, [lower])
+
+    def exact_refinement(self) -> bool:
+        """Refine only the exact method (no TorchJD ridge, the built-in solver)."""
+        return self.refine_on_stack and self.reg_eps == 0 and self.backend == "builtin"

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
-from mogradient.qp_cone import solve_cone_qp
+from mogradient.qp_cone import near_dependent, project_on_stack, solve_cone_qp
 
 
 class UPGrad(Harmonizer):
@@ -20,6 +20,9 @@ class UPGrad(Harmonizer):
 
     ``reg_eps > 0`` reproduces TorchJD's default projector, which solves the QP on
     G / trace(G) + reg_eps * I (TorchJD uses 1e-4); the default 0 is the exact method.
+    With ``refine=True`` (default) and a gradient stack given, near-dependent gradients
+    are re-solved on the stack itself (see :func:`mogradient.qp_cone.project_on_stack`);
+    ``refine=False`` keeps the Gram-only solve, cheaper for huge D.
     """
 
     def __init__(
@@ -27,10 +30,12 @@ class UPGrad(Harmonizer):
         pref_vector: list[float] | torch.Tensor | None = None,
         reg_eps: float = 0.0,
         backend: str = "builtin",
+        refine: bool = True,
     ) -> None:
         self.pref_vector = validated_preferences(pref_vector, "pref_vector")
         self.reg_eps = validated_reg_eps(reg_eps)
         self.backend = backend
+        self.refine_on_stack = bool(refine)
 
     def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
         preferences = preferences_for(self.pref_vector, objectives).numpy()
@@ -46,6 +51,54 @@ class UPGrad(Harmonizer):
             weights += torch.from_numpy(solution.weights)
             residual = max(residual, solution.kkt_residual)
         return Weighting(weights, kkt_residual=residual)
+
+    def refine(
+        self,
+        jacobian: torch.Tensor,
+        objectives: torch.Tensor,
+        gram: torch.Tensor,
+        weighting: Weighting,
+    ) -> Weighting | None:
+        lowers = [
+            preference * np.eye(len(objectives))[index]
+            for index, preference in enumerate(
+                preferences_for(self.pref_vector, objectives).numpy()
+            )
+            if preference != 0
+        ]
+        return refined_on_stack(self.exact_refinement(), jacobian, objectives, gram, lowers)
+
+    def exact_refinement(self) -> bool:
+        """Refine only the exact method (no TorchJD ridge, the built-in solver)."""
+        return self.refine_on_stack and self.reg_eps == 0 and self.backend == "builtin"
+
+
+def refined_on_stack(
+    enabled: bool,
+    jacobian: torch.Tensor,
+    objectives: torch.Tensor,
+    gram: torch.Tensor,
+    lowers: list[np.ndarray],
+) -> Weighting | None:
+    """The sum over ``lowers`` of dual-cone projections solved on the stack, when
+    ``enabled`` and the Gram says the gradients are near-dependent."""
+    if not (enabled and near_dependent(gram.numpy())):
+        return None
+    rows = jacobian[objectives.to(jacobian.device)].cpu().numpy().astype(np.float64)
+    weights = np.zeros(len(objectives))
+    direction = np.zeros(rows.shape[1])
+    residual = 0.0
+    for lower in lowers:
+        projection_weights, projection, projection_residual = project_on_stack(rows, lower)
+        weights += projection_weights
+        direction += projection
+        residual = max(residual, projection_residual)
+    return Weighting(
+        torch.from_numpy(weights),
+        kkt_residual=residual,
+        extras={"refined_on_stack": True},
+        direction=torch.from_numpy(direction).to(dtype=jacobian.dtype, device=jacobian.device),
+    )
 
 
 def preferences_for(preferences: torch.Tensor | None, objectives: torch.Tensor) -> torch.Tensor:
