@@ -4,13 +4,17 @@ A checkpoint is ``run_dir/checkpoints/step_XXXXXXXX/`` holding ``state.pt`` (tor
 the state dict) and ``manifest.json``. It is written into a hidden temporary sibling,
 fsynced, then renamed into place, so a crash at any point leaves either the complete new
 checkpoint or none: ``latest_checkpoint`` only considers renamed directories with a
-manifest. One process (rank 0) writes a run directory.
+manifest. The manifest records the state file's size and SHA-256, so a truncated or
+bit-flipped file is caught on load, and ``load_newest_intact`` falls back to the newest
+checkpoint that is whole. One process (rank 0) writes a run directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -19,7 +23,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 import torch
@@ -52,6 +56,14 @@ def _write_file(path: Path, write: Callable[[BinaryIO], object]) -> int:
     return path.stat().st_size
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _temporary_sibling(checkpoints: Path, name: str) -> Path:
     return checkpoints / f"{_TEMP_PREFIX}{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -78,6 +90,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
             "step": step,
             "keys": sorted(str(key) for key in state),
             "files": {STATE_FILE: size},
+            "sha256": {STATE_FILE: _sha256(temporary / STATE_FILE)},
             "saved_at": time.time(),
             "torch": torch.__version__,
         }
@@ -145,8 +158,54 @@ def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> di
     state_file = path / STATE_FILE
     expected = manifest["files"][STATE_FILE]
     if not state_file.is_file() or state_file.stat().st_size != expected:
-        raise OSError(f"{state_file} is missing or truncated (manifest says {expected} bytes)")
-    return torch.load(state_file, map_location="cpu", weights_only=weights_only)
+        raise CorruptCheckpointError(
+            f"{state_file} is missing or truncated (manifest says {expected} bytes)"
+        )
+    checksum = manifest.get("sha256", {}).get(STATE_FILE)  # absent in older checkpoints
+    if checksum is not None and _sha256(state_file) != checksum:
+        raise CorruptCheckpointError(f"{state_file} does not match its manifest's SHA-256")
+    try:
+        return torch.load(state_file, map_location="cpu", weights_only=weights_only)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise CorruptCheckpointError(f"{state_file} cannot be read: {error}") from error
+
+
+class CorruptCheckpointError(OSError):
+    """A checkpoint directory looks complete but its state file is damaged."""
+
+
+class Restored(NamedTuple):
+    """The checkpoint a run resumes from, and why each newer one was passed over."""
+
+    path: Path
+    state: dict[str, Any]
+    passed_over: list[str]
+
+
+def load_newest_intact(
+    run_dir: str | os.PathLike,
+    check: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    weights_only: bool = True,
+) -> Restored | None:
+    """The newest checkpoint that loads and passes ``check`` (which raises ValueError to
+    reject a state); None when the run has no checkpoint. A damaged latest checkpoint
+    must not end a run that an older intact one can resume."""
+    passed_over = []
+    for _, path in reversed(_complete_checkpoints(run_dir)):
+        try:
+            state = load_checkpoint(path, weights_only=weights_only)
+            if check is not None:
+                check(state)
+        except (CorruptCheckpointError, ValueError) as error:
+            passed_over.append(f"{path.name}: {error}")
+            continue
+        return Restored(path, state, passed_over)
+    if passed_over:
+        raise CorruptCheckpointError(
+            f"no intact checkpoint in {_checkpoints_dir(run_dir)}: " + "; ".join(passed_over)
+        )
+    return None
 
 
 def _remove_leftovers(checkpoints: Path, prefix: str = _TEMP_PREFIX) -> list[Path]:

@@ -22,6 +22,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument(
         "--preset", choices=["tiny"], help="built-in preset (default without a model path: tiny)"
     )
+    train.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a run with settings that differ from its saved config (besides "
+        "train.epochs); the new values apply from the resumed epoch on",
+    )
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
     plot = commands.add_parser("plot", help="plot a run's curves and diagnostics")
     plot.add_argument("run_dir", type=Path)
@@ -29,6 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     compare = commands.add_parser("compare", help="Table-1 style table over eval outputs")
     compare.add_argument("eval_dirs", nargs="+", type=Path)
     compare.add_argument("--out", type=Path, help="also write the table to this file")
+    compare.add_argument(
+        "--allow-mixed-settings",
+        action="store_true",
+        help="compare evaluations made with different prompts, steps, resolution, images "
+        "per prompt or seed",
+    )
     convert = commands.add_parser(
         "convert-hps", help="open_clip checkpoint (HPS v2.1) -> transformers CLIP directory"
     )
@@ -48,12 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "eval":
         return _eval(args)
     if args.command == "compare":
-        return _compare(args.eval_dirs, args.out)
+        return _compare(args.eval_dirs, args.out, args.allow_mixed_settings)
     if args.command == "convert-hps":
         return _convert_hps(args.checkpoint, args.processor_dir, args.out_dir)
     if args.command == "convert-image-reward":
         return _convert_image_reward(args)
-    return _train(args.config, args.preset, args.overrides)
+    return _train(args.config, args.preset, args.overrides, args.allow_config_change)
 
 
 def _add_eval_parser(commands) -> None:
@@ -147,12 +159,12 @@ def _metric_options(items: list[str]) -> dict[str, dict]:
     return options
 
 
-def _compare(eval_dirs: list[Path], out: Path | None) -> int:
+def _compare(eval_dirs: list[Path], out: Path | None, allow_mixed: bool) -> int:
     from mogradient_diffusion.compare import comparison_table
 
     try:
-        table = comparison_table(eval_dirs)
-    except FileNotFoundError as error:
+        table = comparison_table(eval_dirs, allow_mixed_settings=allow_mixed)
+    except (FileNotFoundError, ValueError) as error:
         print(f"mogradient-diffusion compare: {error}", file=sys.stderr)
         return 2
     print(table, end="")
@@ -172,7 +184,10 @@ def _convert_hps(checkpoint: Path, processor_dir: Path, out_dir: Path) -> int:
     return 0
 
 
-def _train(config_path: Path | None, preset: str | None, overrides: list[str]) -> int:
+def _train(
+    config_path: Path | None, preset: str | None, overrides: list[str], allow_change: bool
+) -> int:
+    """Exit 2 for what the user must fix (config, lock, files), 1 for a run that failed."""
     from mogradient_diffusion.distributed import World
 
     world_size = World.size_from_environment()
@@ -183,15 +198,28 @@ def _train(config_path: Path | None, preset: str | None, overrides: list[str]) -
     except ConfigError as error:
         print(f"mogradient-diffusion: configuration error: {error}", file=sys.stderr)
         return 2
-    from mogradient_diffusion.trainer import Trainer
+    from mogradient_diffusion.checkpoint import CorruptCheckpointError
+    from mogradient_diffusion.rewards import RewardError
+    from mogradient_diffusion.run_lock import RunLock, describe_holder
+    from mogradient_diffusion.trainer import NonFiniteError, Trainer
 
     world = World.from_environment(config.model.device)
+    lock = RunLock(config.run.directory)
     try:
-        run_dir = Trainer(config, world).run()
+        if world.is_main:  # one process writes the directory; it holds the lock
+            lock.acquire()
+            if lock.previous:
+                holder = describe_holder(lock.previous)
+                print(f"mogradient-diffusion: taking over the lock left by {holder} (not running)")
+        run_dir = Trainer(config, world, allow_config_change=allow_change).run()
     except (ConfigError, FileNotFoundError) as error:
         print(f"mogradient-diffusion: {error}", file=sys.stderr)
         return 2
+    except (RewardError, NonFiniteError, CorruptCheckpointError) as error:
+        print(f"mogradient-diffusion: training stopped: {error}", file=sys.stderr)
+        return 1
     finally:
+        lock.release()
         world.close()
     if world.is_main:
         print(f"run finished: {run_dir} (metrics.jsonl, tensorboard/, lora/, lora_ema/)")
@@ -207,7 +235,12 @@ def _plot(run_dir: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    for path in plot_run(run_dir):
+    try:
+        paths = plot_run(run_dir)
+    except ValueError as error:  # empty or damaged metrics.jsonl
+        print(f"mogradient-diffusion plot: {error}", file=sys.stderr)
+        return 2
+    for path in paths:
         print(path)
     return 0
 

@@ -21,7 +21,39 @@ def read_summary(directory: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(
             f"{str(directory)!r} has no summary.json; is it an `mogradient-diffusion eval` output?"
         )
-    return json.loads(path.read_text())
+    try:
+        summary = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); re-run the evaluation") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("metrics"), dict):
+        raise ValueError(f"{path} has no `metrics` mapping; re-run the evaluation")
+    return summary
+
+
+# Settings that make two evaluations' numbers comparable: the same prompts, sampler
+# budget, resolution, images per prompt and seeds.
+PROTOCOL = (
+    "prompt_file",
+    "max_prompts",
+    "steps",
+    "guidance_scale",
+    "resolution",
+    "images_per_prompt",
+    "seed",
+)
+
+
+def protocol_differences(summaries: Sequence[dict[str, Any]], labels: Sequence[str]) -> list[str]:
+    """``key: label=value, ...`` for every protocol setting the rows disagree on."""
+    differences = []
+    for key in PROTOCOL:
+        values = [summary.get("settings", {}).get(key) for summary in summaries]
+        if len({json.dumps(value) for value in values}) > 1:
+            pairs = ", ".join(
+                f"{label}={value}" for label, value in zip(labels, values, strict=True)
+            )
+            differences.append(f"{key}: {pairs}")
+    return differences
 
 
 # GenEval reports the mean over its tags (single_object, counting, ...), not over images.
@@ -51,8 +83,12 @@ def composite_scores(table: list[dict[str, float]], metrics: Sequence[str]) -> l
     return [sum(z) / len(z) if z else math.nan for z in z_rows]
 
 
-def comparison_table(directories: Sequence[str | Path]) -> str:
-    """Markdown table over the eval outputs in ``directories``, in the given order."""
+def comparison_table(directories: Sequence[str | Path], allow_mixed_settings: bool = False) -> str:
+    """Markdown table over the eval outputs in ``directories``, in the given order.
+
+    Rows evaluated under different settings (``PROTOCOL``) are refused unless allowed:
+    one composite over them would rank protocols, not models.
+    """
     summaries = [read_summary(d) for d in directories]
     metrics = list(dict.fromkeys(m for s in summaries for m in s["metrics"]))
     table = [
@@ -60,12 +96,21 @@ def comparison_table(directories: Sequence[str | Path]) -> str:
         for s in summaries
     ]
     labels = [str(s.get("label", d)) for s, d in zip(summaries, directories, strict=True)]
+    differences = protocol_differences(summaries, labels)
+    if differences and not allow_mixed_settings:
+        raise ValueError(
+            "these evaluations used different settings ("
+            + "; ".join(differences)
+            + "); evaluate them alike or pass --allow-mixed-settings"
+        )
     lines = ranked_table(labels, table, metrics)
     lines += [
         "",
         "Composite: mean over metrics of per-column z-scores across these rows. "
         "**best**, <u>second</u>.",
     ]
+    if differences:
+        lines += ["", "Warning: the rows used different settings: " + "; ".join(differences)]
     return "\n".join(lines) + "\n"
 
 

@@ -52,6 +52,11 @@ def build_prompt_sampler(config: PromptsConfig, seed: int) -> StratifiedPromptSa
             "prompts.directory is set but prompts.sources is empty: list {name, file, weight}"
         )
     directory = Path(config.directory)
-    sources = [load_prompt_file(directory / source.file, source.name) for source in config.sources]
+    sources = []
+    for source in config.sources:
+        try:
+            sources.append(load_prompt_file(directory / source.file, source.name))
+        except (OSError, ValueError) as error:  # missing, empty, not UTF-8, bad JSONL
+            raise ConfigError(f"prompts.sources {source.name!r}: {error}") from None
     weights = [source.weight for source in config.sources]
     return StratifiedPromptSampler(sources, weights=weights, seed=seed)

@@ -59,9 +59,18 @@ def _step_of(line: str) -> int | None:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The per-step records of a run, in order."""
+    """The per-step records of a run, in order. A torn last line (a run killed mid-write)
+    is left out, as a resume would drop it; a damaged line elsewhere is a ValueError."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if index < len(lines) - 1:
+                raise ValueError(f"{path}:{number} is not a JSON record") from None
+    return records
 
 
 def _jsonable(value: Any) -> Any:

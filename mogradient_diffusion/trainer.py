@@ -14,6 +14,8 @@ and broadcast from rank 0.
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +30,9 @@ from mogradient.harmonizers.base import combine
 from mogradient.objectives import CombinableLoss
 from mogradient_diffusion.advantages import group_advantages
 from mogradient_diffusion.checkpoint import (
+    Restored,
     keep_last,
-    latest_checkpoint,
-    load_checkpoint,
+    load_newest_intact,
     save_checkpoint,
 )
 from mogradient_diffusion.config import ConfigError, TrainingConfig
@@ -39,6 +41,7 @@ from mogradient_diffusion.nft import NFTConfig, nft_loss
 from mogradient_diffusion.policy import LoraSpec, ParameterEMA, Policy, old_decay
 from mogradient_diffusion.prompt_setup import build_prompt_sampler
 from mogradient_diffusion.prompts import SampledPrompt
+from mogradient_diffusion.resume import check_resume, write_resume_record
 from mogradient_diffusion.rewards import RewardSet, make_reward
 from mogradient_diffusion.rewards.background import BackgroundScoring
 from mogradient_diffusion.rollout import RolloutBatch, rollout
@@ -59,13 +62,28 @@ class MicroBatch:
     reward_advantages: torch.Tensor | None = None  # per-reward, for the conflict probe
 
 
-class Trainer:
-    """Owns the policy, rewards, strategy and optimizer of one run."""
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite values it cannot skip; nothing of them was saved."""
 
-    def __init__(self, config: TrainingConfig, world: World) -> None:
+
+class Trainer:
+    """Owns the policy, rewards, strategy and optimizer of one run.
+
+    Rewards and prompts are built before the pipeline loads, so a wrong reward path or
+    an unreadable prompt file fails in seconds, as a ConfigError.
+    """
+
+    def __init__(
+        self, config: TrainingConfig, world: World, allow_config_change: bool = False
+    ) -> None:
         self.config = config
         self.world = world
+        self.allow_config_change = allow_config_change
         self.run_dir = Path(config.run.directory)
+        self.rewards = build_rewards(config)
+        self.reward_names = [r.name for r in config.rewards]
+        self.sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
+        self._restored, self._resume_changes = self._saved_run()
         model_path = self._model_path()
         torch.manual_seed(config.run.seed)  # same LoRA init everywhere, whatever ran before
         self.policy = Policy.load(
@@ -77,12 +95,9 @@ class Trainer:
         )
         self.parameters = self.policy.trainable_parameters()
         self._synchronize_adapters()
-        self.rewards = RewardSet([make_reward(r.name, **r.options) for r in config.rewards])
-        self.reward_names = [r.name for r in config.rewards]
         self.strategy: Strategy = build_strategy(
             config.strategy, self.reward_names, seed=config.run.seed
         )
-        self.sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
         train = config.train
         self.optimizer = torch.optim.AdamW(
             self.parameters,
@@ -100,16 +115,23 @@ class Trainer:
         )
         self.epoch = 0
         self.optimizer_step = 0
+        self._nonfinite_streak = 0  # consecutive skipped optimizer steps
         self._reward_advantages: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- run
     def run(self) -> Path:
         """Train from the latest checkpoint (if any) to the configured number of epochs."""
-        self._resume()
+        if self._restored is not None:
+            self._restore(self._restored)
+            self._restored = None  # the state is loaded; free it
+        changes = self._resume_changes
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            text = yaml.safe_dump(self.config.to_dict(), sort_keys=False)
-            (self.run_dir / "config.yaml").write_text(text)
+            first_config = self.run_dir / "config.yaml"
+            if changes is None:
+                first_config.write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
+            else:
+                write_resume_record(self.run_dir, self.config.to_dict(), self.epoch, changes)
         log = RunLog(self.run_dir, resume_from_step=self.epoch) if self.world.is_main else None
         bar = tqdm(
             total=self.config.train.epochs,
@@ -282,12 +304,41 @@ class Trainer:
         record["grad_norm"] = float(
             torch.nn.utils.clip_grad_norm_(self.parameters, self.config.train.grad_clip)
         )
-        self.optimizer.step()
+        if math.isfinite(record["grad_norm"]):
+            self.optimizer.step()
+            self.ema.update()
+            self._nonfinite_streak = 0
+        else:
+            record["skipped"] = "non-finite gradients"
+            self._skip_nonfinite_step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.ema.update()
+        if not all_finite(self.parameters):
+            raise NonFiniteError(
+                f"the LoRA weights became non-finite at optimizer step {self.optimizer_step} "
+                "although the gradients were finite (is train.learning_rate far too large?); "
+                "stopped before checkpointing them"
+            )
         self.optimizer_step += 1
         record["time/optimizer"] = time.perf_counter() - optimizer_started
         return record
+
+    def _skip_nonfinite_step(self) -> None:
+        """Log a skipped step; stop after ``train.max_nonfinite_steps`` in a row."""
+        self._nonfinite_streak += 1
+        limit = self.config.train.max_nonfinite_steps
+        if self._nonfinite_streak > limit:
+            raise NonFiniteError(
+                f"{self._nonfinite_streak} optimizer steps in a row had non-finite gradients "
+                f"(train.max_nonfinite_steps={limit}); stopped, the last checkpoint is intact"
+            )
+        self._warn(
+            f"optimizer step {self.optimizer_step} skipped: non-finite gradients "
+            f"({self._nonfinite_streak} in a row, limit {limit})"
+        )
+
+    def _warn(self, message: str) -> None:
+        if self.world.is_main:
+            tqdm.write(f"mogradient-diffusion: warning: {message}", file=sys.stderr)
 
     def _conflict_probe(self, group: list[MicroBatch], noise_state: torch.Tensor) -> dict:
         """cos(applied update, g_k) for every reward, on the step's own samples and noise.
@@ -432,6 +483,16 @@ class Trainer:
         record["objectives_without_signal"] = [
             n for n, s in zip(objectives, silent, strict=True) if s
         ]
+        record["rewards_without_signal"] = [
+            name
+            for index, name in enumerate(self.reward_names)
+            if torch.isnan(all_rewards[:, index]).all()
+        ]
+        for name in record["rewards_without_signal"]:
+            self._warn(
+                f"epoch {self.epoch}: reward {name!r} was NaN (not applicable) for every "
+                "image: it gave no training signal"
+            )
         if torch.cuda.is_available():
             record["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return record
@@ -455,16 +516,37 @@ class Trainer:
         keep_last(self.run_dir, self.config.run.keep_checkpoints)
         self.world.barrier()
 
-    def _resume(self) -> None:
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
-            return
-        state = load_checkpoint(path, weights_only=False)
-        _check_resumable(state["config"], self.config.to_dict(), path)
+    def _saved_run(self) -> tuple[Restored | None, dict[str, tuple] | None]:
+        """The newest intact checkpoint and the config changes resuming it applies (None
+        for a new run), checked before any model loads. A run directory whose config.yaml
+        has no checkpoint yet is checked too."""
+        restored = load_newest_intact(self.run_dir, _check_finite_state, weights_only=False)
+        current = self.config.to_dict()
+        if restored is not None:
+            saved = restored.state["config"]
+        elif (self.run_dir / "config.yaml").exists():
+            saved = yaml.safe_load((self.run_dir / "config.yaml").read_text())
+        else:
+            return None, None
+        return restored, check_resume(saved, current, self.run_dir, self.allow_config_change)
+
+    def _restore(self, restored: Restored) -> None:
+        """Continue from a checkpoint; the optimizer and EMA take the config's settings."""
+        for reason in restored.passed_over:
+            self._warn(f"checkpoint passed over: {reason}")
+        if restored.passed_over:
+            self._warn(f"resuming from {restored.path}")
+        state = restored.state
         self.policy.load_lora_state("default", state["default"])
         self.policy.load_lora_state("old", state["old"])
         self.optimizer.load_state_dict(state["optimizer"])
+        train = self.config.train
+        for group in self.optimizer.param_groups:  # the saved state carries the old ones
+            group.update(
+                lr=train.learning_rate, betas=train.adam_betas, weight_decay=train.weight_decay
+            )
         self.ema.load_state_dict(state["ema"])
+        self.ema.decay = train.ema_decay
         self.strategy.load_state_dict(state["strategy"])
         self.sampler.load_state_dict(state["sampler"])
         self.epoch = int(state["epoch"])
@@ -489,15 +571,28 @@ class Trainer:
             self.policy.save_lora(self.run_dir / "lora_ema", adapter="default")
 
 
-def _check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Refuse a resume whose rewards or strategy differ: cached weights would be misread."""
-    for section in ("rewards", "strategy"):
-        if saved.get(section) != current.get(section):
-            raise ConfigError(
-                f"{path} was written with a different `{section}:` section; resume with the "
-                f"run's own config ({path.parent.parent.parent / 'config.yaml'}) or use a new "
-                "run.directory"
-            )
+def build_rewards(config: TrainingConfig) -> RewardSet:
+    """The configured rewards; a constructor that fails (missing weights, bad option values,
+    a user reward's own check) is a configuration error naming the reward."""
+    rewards = []
+    for reward in config.rewards:
+        try:
+            rewards.append(make_reward(reward.name, **reward.options))
+        except Exception as error:
+            raise ConfigError(f"reward {reward.name!r} could not be built: {error}") from error
+    return RewardSet(rewards)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (one device sync)."""
+    return bool(torch.stack([t.detach().isfinite().all() for t in tensors]).all())
+
+
+def _check_finite_state(state: dict[str, Any]) -> None:
+    """Reject a checkpoint holding non-finite LoRA or EMA weights (a poisoned run)."""
+    tensors = [*state["default"].values(), *state["old"].values(), *state["ema"]["shadow"]]
+    if not all_finite(tensors):
+        raise ValueError("it holds non-finite LoRA or EMA weights")
 
 
 def _summary(record: dict[str, Any], reward_names: list[str]) -> dict[str, str]:

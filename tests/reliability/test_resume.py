@@ -1,0 +1,81 @@
+"""Resume is strict and its record honest: a changed setting is refused unless allowed,
+an allowed one really applies, and config.yaml stays the run's first config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mogradient_diffusion.checkpoint import latest_checkpoint, load_checkpoint
+from mogradient_diffusion.cli import main
+from mogradient_diffusion.config import load_config
+
+from .conftest import train_arguments
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+def test_a_changed_learning_rate_is_refused_naming_the_key(
+    run_copy: Path, tiny_pipeline_dir: Path, capsys, never_load_the_model
+) -> None:
+    before = (run_copy / "config.yaml").read_text()
+    arguments = train_arguments(
+        run_copy, tiny_pipeline_dir, "train.epochs=3", "train.learning_rate=0.5"
+    )
+    assert main(arguments) == 2
+    error = _one_line_error(capsys)
+    assert "train.learning_rate" in error and "--allow-config-change" in error
+    assert "train.epochs (" not in error  # the one setting a resume may change
+    assert (run_copy / "config.yaml").read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("lora.rank=8", "lora.rank"),
+        ("run.seed=1", "run.seed"),
+        ("strategy.name=weighted_sum", "strategy.name"),
+        ("rewards=[{name: jpeg_incompressibility}]", "rewards"),
+    ],
+)
+def test_settings_the_saved_state_depends_on_never_change(
+    trained_run: Path, tiny_pipeline_dir: Path, capsys, never_load_the_model, override, key
+) -> None:
+    arguments = train_arguments(trained_run, tiny_pipeline_dir, "train.epochs=3", override)
+    assert main(["train", "--allow-config-change", *arguments[1:]]) == 2
+    error = _one_line_error(capsys)
+    assert key in error
+    assert f"({trained_run / 'config.yaml'})" in error  # the run's own config, not its parent's
+
+
+def test_an_allowed_change_reaches_the_optimizer_and_gets_its_own_record(
+    run_copy: Path, tiny_pipeline_dir: Path
+) -> None:
+    first_config = (run_copy / "config.yaml").read_text()
+    arguments = train_arguments(
+        run_copy, tiny_pipeline_dir, "train.epochs=3", "train.learning_rate=0.5"
+    )
+    assert main(["train", "--allow-config-change", *arguments[1:]]) == 0
+    optimizer = load_checkpoint(latest_checkpoint(run_copy), weights_only=False)["optimizer"]
+    assert [group["lr"] for group in optimizer["param_groups"]] == [0.5]
+    assert (run_copy / "config.yaml").read_text() == first_config
+    record = (run_copy / "resume-1.yaml").read_text()
+    assert "# changed train.learning_rate: 0.001 -> 0.5" in record
+    assert yaml.safe_load(record)["train"]["learning_rate"] == 0.5
+
+
+def test_a_run_directory_with_another_config_and_no_checkpoint_is_refused(
+    tmp_path: Path, tiny_pipeline_dir: Path, capsys, never_load_the_model
+) -> None:
+    arguments = train_arguments(tmp_path, tiny_pipeline_dir, "train.learning_rate=0.1")
+    other = load_config(preset="tiny", overrides=arguments[3:]).to_dict()
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(other))
+    assert main(train_arguments(tmp_path, tiny_pipeline_dir)) == 2
+    error = _one_line_error(capsys)
+    assert "train.learning_rate (0.1 -> 0.001)" in error and error.count(" -> ") == 1
