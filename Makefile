@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: demo toys mini test fuzz lint bench clean
+.PHONY: demo toys mini test fuzz lint bench bench-gpu clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# Debian's Tesseract for the OCR reward (skipped when already on PATH).
@@ -45,6 +45,11 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_mgda_exactness.py
 	$(PY) benchmarks/bench_gradient_engines.py
+
+# SD3.5-M-shaped training on one GPU (H100/H200): rollout, training, MFU, MARBLE's overhead.
+# Writes benchmarks/results/gpu/gpu_<device>.{json,md}; on a CPU it is a smoke run only.
+bench-gpu: $(STAMP)
+	$(PY) benchmarks/bench_gpu.py --shape sd35m
 
 clean:
 	rm -rf $(VENV) results

@@ -1,0 +1,1157 @@
+"""GPU cost of SD3.5-M-shaped DiffusionNFT training: rollout, training, MFU, MARBLE's overhead.
+
+Why: the reference trainers publish no time or memory per step for SD3.5-M, and MARBLE's
+paper reports 0.97x of weighted-sum throughput amortized, 0.56x solving every step, and
+1.14x memory. This script measures those quantities on one accelerator, with the real
+trainer (``mogradient_diffusion.trainer.Trainer``: rollout, rewards, advantages, the NFT
+loss, per-reward gradients or one combined backward, MGDA, AdamW, EMA) on a model of the
+real shape, so that one command on an H100/H200 gives publishable figures.
+
+What is real and what stands in (the output says so too):
+
+* transformer: ``SD3Transformer2DModel`` built from SD3.5-Medium's released
+  ``transformer/config.json`` (``SD35M_TRANSFORMER`` below), random weights; compute and
+  memory are those of the real model, the outputs are not;
+* VAE: ``AutoencoderKL`` of the SD3 VAE's shape (``SD3_VAE``), random weights;
+* text encoders: not run. ``Policy.encode_prompts`` is replaced by precomputed random
+  embeddings of the real shapes: pooled CLIP-L + CLIP-G [B, 2048], hidden states
+  77 CLIP tokens + 256 T5-XXL tokens of width 4096 [B, 333, 4096];
+* rewards: K = 5 cheap image statistics (``standin_*``), registered as ordinary rewards;
+* LoRA, optimizer, NFT and batch settings: ``configs/sd35m_marble_5r.yaml`` (r = 32 on
+  ``policy.LORA_TARGETS``), with the per-GPU batch of 9 and one prompt group per
+  optimizer step unless ``--accumulation`` says otherwise.
+
+Measured: bf16 matmul peak (large ``torch.matmul``, same run); rollout images/s at 10 and
+25 sampler steps with achieved TFLOP/s and MFU (FLOPs from ``FlopCounterMode``); training
+seconds per optimizer step and per (sample, timestep), MFU and peak memory, with and
+without gradient checkpointing, for weighted sum, MARBLE amortized (N = 10) and MARBLE
+every step, interleaved epoch by epoch; their speed and memory ratios; and a one-process
+``torchrun`` run whose collectives go through NCCL (gloo on CPU).
+
+``--shape small`` is a tiny model of the same structure that runs on a CPU in well under
+a minute: a smoke run of the whole script, flagged as such, never a result.
+
+Run on a GPU: ``python benchmarks/bench_gpu.py --shape sd35m`` (``make bench-gpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from bench_trainer import LABELS, PAPER, STRATEGIES, THREADS, _compact, source_state
+from common import machine_info, markdown_table
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm.auto import tqdm
+
+from mogradient.gradients import flat_gradient, write_gradient
+from mogradient_diffusion import policy as policy_module
+from mogradient_diffusion.config import TrainingConfig, load_config
+from mogradient_diffusion.distributed import World
+from mogradient_diffusion.policy import PromptEmbeddings
+from mogradient_diffusion.rewards import Reward, register_reward
+from mogradient_diffusion.rewards.base import Metadata
+from mogradient_diffusion.rollout import rollout, sampler_sigmas
+from mogradient_diffusion.strategies import Strategy, build_strategy
+from mogradient_diffusion.trainer import MicroBatch, Trainer, accumulate_gradients
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "configs" / "sd35m_marble_5r.yaml"
+GPU_RESULTS = REPO / "benchmarks" / "results" / "gpu"
+CPU_RESULTS = REPO / "results" / "gpu_smoke"  # git-ignored: CPU output is never a result
+BASELINE = "weighted_sum"
+TARGET_MFU = {"training": 0.40, "rollout": 0.50}
+ROLLOUT_STEPS = (10, 25)
+# One prompt source: the built-in set has three, and their fractional shares can make a
+# one-prompt epoch draw two prompts, which would change the work per epoch. The text is
+# never encoded (see RandomTextEmbeddings).
+PROMPT_FILE = "standin_prompts.txt"
+STANDIN_PROMPTS = ("a photo of a cat", "a red car on a street", "a bowl of fruit")
+
+# stabilityai/stable-diffusion-3.5-medium, transformer/config.json (MMDiT-X): 24 layers,
+# 24 heads x 64 = hidden 1536, dual attention (a second, image-only attention) in layers
+# 0..12, RMS QK-norm.
+SD35M_TRANSFORMER: dict[str, Any] = {
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_layers": 24,
+    "attention_head_dim": 64,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048,
+    "pos_embed_max_size": 384,
+    "dual_attention_layers": list(range(13)),
+    "qk_norm": "rms_norm",
+}
+# The SD3 / SD3.5 VAE (vae/config.json): 16 latent channels, 8x downsampling.
+SD3_VAE: dict[str, Any] = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "latent_channels": 16,
+    "norm_num_groups": 32,
+    "act_fn": "silu",
+    "sample_size": 1024,
+    "scaling_factor": 1.5305,
+    "shift_factor": 0.0609,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "force_upcast": True,
+}
+# The same structure (dual attention, QK-norm, 16 latent channels, 4 VAE levels), tiny.
+SMALL_TRANSFORMER: dict[str, Any] = {
+    **SD35M_TRANSFORMER,
+    "sample_size": 8,
+    "num_layers": 2,
+    "attention_head_dim": 8,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "caption_projection_dim": 16,
+    "pooled_projection_dim": 32,
+    "pos_embed_max_size": 16,
+    "dual_attention_layers": [0],
+}
+SMALL_VAE: dict[str, Any] = {
+    **SD3_VAE,
+    "block_out_channels": [8, 8, 8, 8],
+    "layers_per_block": 1,
+    "norm_num_groups": 4,
+    "sample_size": 64,
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Model sizes plus the defaults that keep a run of this shape within its time budget."""
+
+    name: str
+    transformer: dict[str, Any]
+    vae: dict[str, Any]
+    resolution: int
+    clip_tokens: int  # CLIP-L/G hidden states, padded to the T5 width
+    t5_tokens: int
+    rounds: int
+    repeats: int
+    matmul_size: int
+
+    @property
+    def text_width(self) -> int:
+        return self.transformer["joint_attention_dim"]
+
+    @property
+    def pooled_width(self) -> int:
+        return self.transformer["pooled_projection_dim"]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "transformer_config": self.transformer,
+            "vae_config": self.vae,
+            "resolution": self.resolution,
+            "latent": [self.transformer["in_channels"], self.resolution // 8, self.resolution // 8],
+            "text_tokens": {"clip": self.clip_tokens, "t5": self.t5_tokens},
+            "text_width": self.text_width,
+            "pooled_width": self.pooled_width,
+        }
+
+
+SHAPES = {
+    "sd35m": Shape("sd35m", SD35M_TRANSFORMER, SD3_VAE, 512, 77, 256, 10, 3, 8192),
+    "small": Shape("small", SMALL_TRANSFORMER, SMALL_VAE, 64, 4, 8, 2, 2, 256),
+}
+
+
+# ----------------------------------------------------------------- stand-in rewards
+@register_reward
+class StandinBrightness(Reward):
+    """Mean pixel value. Stand-ins are cheap image statistics on the images' own device:
+    they exercise the reward path of the loop without the cost of a reward model."""
+
+    name = "standin_brightness"
+    value_range = (0.0, 1.0)
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: Metadata | None):
+        return images.float().mean(dim=(1, 2, 3))
+
+
+@register_reward
+class StandinSaturation(Reward):
+    """Mean channel spread (max - min)."""
+
+    name = "standin_saturation"
+    value_range = (0.0, 1.0)
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: Metadata | None):
+        images = images.float()
+        return (images.amax(dim=1) - images.amin(dim=1)).mean(dim=(1, 2))
+
+
+@register_reward
+class StandinContrast(Reward):
+    """Standard deviation of the pixel values."""
+
+    name = "standin_contrast"
+    value_range = (0.0, 1.0)
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: Metadata | None):
+        return images.float().flatten(1).std(dim=1)
+
+
+@register_reward
+class StandinRedness(Reward):
+    """Red minus the mean of green and blue."""
+
+    name = "standin_redness"
+    value_range = (-1.0, 1.0)
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: Metadata | None):
+        images = images.float()
+        return (images[:, 0] - images[:, 1:].mean(dim=1)).mean(dim=(1, 2))
+
+
+@register_reward
+class StandinEdges(Reward):
+    """Mean absolute difference of neighbouring pixels."""
+
+    name = "standin_edges"
+    value_range = (0.0, 1.0)
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: Metadata | None):
+        images = images.float()
+        dx = (images[..., 1:] - images[..., :-1]).abs().mean(dim=(1, 2, 3))
+        dy = (images[..., 1:, :] - images[..., :-1, :]).abs().mean(dim=(1, 2, 3))
+        return (dx + dy) / 2
+
+
+STANDIN_REWARDS = tuple(
+    cls.name
+    for cls in (
+        StandinBrightness,
+        StandinSaturation,
+        StandinContrast,
+        StandinRedness,
+        StandinEdges,
+    )
+)
+
+
+# ----------------------------------------------------------------- model and trainer
+class RandomTextEmbeddings:
+    """Replaces ``Policy.encode_prompts``: text-encoder outputs of the real shapes, random.
+
+    The benchmark times the transformer and the VAE; running CLIP-L, CLIP-G and T5-XXL
+    would add a constant per prompt that the recipe pays once per group of 24 images.
+    """
+
+    def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype) -> None:
+        self.shape = shape
+        self.device = device
+        self.dtype = dtype
+        self.generator = torch.Generator(device).manual_seed(0)
+
+    def __call__(self, prompts: list[str], max_sequence_length: int = 256) -> PromptEmbeddings:
+        rows, tokens = len(prompts), self.shape.clip_tokens + max_sequence_length
+        hidden = (rows, tokens, self.shape.text_width)
+        pooled = (rows, self.shape.pooled_width)
+        return PromptEmbeddings(
+            torch.randn(hidden, generator=self.generator, device=self.device).to(self.dtype),
+            torch.randn(pooled, generator=self.generator, device=self.device).to(self.dtype),
+        )
+
+
+def build_pipeline(shape: Shape, device: torch.device, dtype: torch.dtype):
+    """A ``StableDiffusion3Pipeline`` of ``shape`` with random weights, built on ``device``."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+
+    torch.manual_seed(0)
+    with torch.device(device):  # initialising 2.5 B parameters on the GPU takes seconds
+        transformer = SD3Transformer2DModel(**shape.transformer).to(dtype)
+        vae = AutoencoderKL(**shape.vae).to(dtype)
+    encoders = {name: None for name in ("text_encoder", "text_encoder_2", "text_encoder_3")}
+    tokenizers = {name: None for name in ("tokenizer", "tokenizer_2", "tokenizer_3")}
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        **encoders,
+        **tokenizers,
+    )
+
+
+def recipe_config(
+    args: argparse.Namespace, shape: Shape, run_dir: Path, strategy: str, world_size: int = 1
+) -> TrainingConfig:
+    """The MARBLE recipe's config with this benchmark's model, rewards and batch sizes."""
+    rewards = "rewards=[" + ", ".join(f"{{name: {name}}}" for name in STANDIN_REWARDS) + "]"
+    overrides = [
+        "model.path=in-memory",  # handed to Policy.load by build_trainer
+        f"model.dtype={args.dtype}",
+        "model.gradient_checkpointing=false",  # toggled per measurement
+        f"prompts.directory={run_dir}",
+        f"prompts.sources=[{{name: standin, file: {PROMPT_FILE}}}]",
+        rewards,
+        f"rollout.resolution={shape.resolution}",
+        f"rollout.steps={args.train_sampling_steps}",
+        f"rollout.images_per_prompt={args.batch}",
+        f"rollout.prompts_per_epoch={args.accumulation * world_size}",
+        f"rollout.batch_size={args.batch}",
+        f"rollout.max_sequence_length={shape.t5_tokens}",
+        f"train.batch_size={args.batch}",
+        f"train.gradient_accumulation={args.accumulation}",
+        "train.epochs=1000000",
+        f"run.directory={run_dir}",
+        "run.quiet=true",
+        *STRATEGIES[strategy],
+    ]
+    return load_config(RECIPE, overrides, world_size=world_size)
+
+
+def build_trainer(
+    args: argparse.Namespace, shape: Shape, world: World, run_dir: Path
+) -> tuple[Trainer, dict[str, Strategy]]:
+    """The real Trainer on the in-memory model, and one fresh Strategy per compared name."""
+    dtype = getattr(torch, args.dtype)
+    (run_dir / PROMPT_FILE).write_text("\n".join(STANDIN_PROMPTS) + "\n")
+    pipeline = build_pipeline(shape, world.device, dtype)
+    with mock.patch.object(policy_module, "load_sd3_pipeline", lambda path, dtype: pipeline):
+        trainer = Trainer(recipe_config(args, shape, run_dir, BASELINE, world.size), world)
+    trainer.policy.encode_prompts = RandomTextEmbeddings(shape, world.device, dtype)
+    return trainer, make_strategies(args, shape, run_dir, trainer, world.size)
+
+
+def make_strategies(
+    args: argparse.Namespace, shape: Shape, run_dir: Path, trainer: Trainer, world_size: int
+) -> dict[str, Strategy]:
+    """Fresh strategies (empty MARBLE caches), built by the trainer's own factory."""
+    return {
+        name: build_strategy(
+            recipe_config(args, shape, run_dir, name, world_size).strategy,
+            trainer.reward_names,
+            seed=0,
+        )
+        for name in STRATEGIES
+    }
+
+
+# ------------------------------------------------------------------------ timing
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, function: Callable[[], Any]) -> tuple[Any, float]:
+    """(result, seconds) with the device drained on both sides: GPU work is asynchronous."""
+    synchronize(device)
+    started = time.perf_counter()
+    result = function()
+    synchronize(device)
+    return result, time.perf_counter() - started
+
+
+def peak_rss_gib() -> float:
+    """This process's lifetime RSS high-water mark (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def count_flops(function: Callable[[], Any]) -> dict[str, Any]:
+    """FLOPs of one call by ``FlopCounterMode``, and whether attention kernels were counted.
+
+    The counter knows the CUDA SDPA kernels (flash, memory-efficient, cuDNN) but not the
+    CPU one, so a CPU count leaves attention out.
+    """
+    with FlopCounterMode(display=False) as counter:
+        function()
+    by_op = counter.get_flop_counts().get("Global", {})
+    attention = sum(count for op, count in by_op.items() if "attention" in str(op))
+    return {"flops": int(counter.get_total_flops()), "attention_flops": int(attention)}
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int) -> dict[str, Any]:
+    """Best achieved TFLOP/s of a square matmul: the denominator of every MFU here."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    iterations = 20 if device.type == "cuda" else 3
+    for _ in range(3):
+        torch.matmul(a, b)
+    best = math.inf
+    for _ in range(5):
+        _, seconds = timed(device, lambda: [torch.matmul(a, b) for _ in range(iterations)])
+        best = min(best, seconds / iterations)
+    return {
+        "size": size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "seconds_per_matmul": best,
+        "tflops": 2 * size**3 / best / 1e12,
+    }
+
+
+# ----------------------------------------------------------------------- rollout
+def measure_rollout(
+    trainer: Trainer, args: argparse.Namespace, shape: Shape, peak_tflops: float
+) -> dict[str, Any]:
+    """Images/s of ``rollout`` (sampler + VAE decode) at each step count, and its MFU."""
+    policy = trainer.policy
+    device = trainer.world.device
+    embeds = policy.encode_prompts(["x"] * args.batch, shape.t5_tokens)
+    latents = torch.randn(args.batch, *policy.latent_shape(shape.resolution), device=device)
+    with torch.no_grad():
+        forward = count_flops(lambda: policy.velocity(latents.to(policy.dtype), 0.5, embeds, "old"))
+        decode = count_flops(lambda: policy.decode(latents))
+    timed(device, lambda: policy.decode(latents))  # warm-up
+    decode_times = [timed(device, lambda: policy.decode(latents))[1] for _ in range(args.repeats)]
+    results: dict[str, Any] = {
+        "batch": args.batch,
+        "forward_flops_per_image": forward["flops"] / args.batch,
+        "forward_attention_flops_per_image": forward["attention_flops"] / args.batch,
+        "decode_flops_per_image": decode["flops"] / args.batch,
+        "vae_decode": {
+            "seconds_per_batch": statistics.median(decode_times),
+            "images_per_s": args.batch / statistics.median(decode_times),
+        },
+        "steps": {},
+    }
+    for steps in ROLLOUT_STEPS:
+
+        def sample(steps: int = steps) -> Any:
+            return rollout(
+                policy,
+                ["stand-in prompt"],
+                images_per_prompt=args.batch,
+                steps=steps,
+                resolution=shape.resolution,
+                generator=torch.Generator().manual_seed(steps),
+                adapter="old",
+                batch_size=args.batch,
+                max_sequence_length=shape.t5_tokens,
+            )
+
+        sample()  # warm-up: kernel selection, allocator
+        seconds = statistics.median(timed(device, sample)[1] for _ in range(args.repeats))
+        flops = steps * forward["flops"] + decode["flops"]  # one batch
+        results["steps"][str(steps)] = {
+            "seconds_per_batch": seconds,
+            "images_per_s": args.batch / seconds,
+            "tflops": flops / seconds / 1e12,
+            "mfu": flops / seconds / 1e12 / peak_tflops,
+            "decode_share": results["vae_decode"]["seconds_per_batch"] / seconds,
+        }
+        print(
+            f"  rollout {steps} steps: {args.batch / seconds:.3g} images/s, "
+            f"MFU {100 * results['steps'][str(steps)]['mfu']:.1f}%",
+            flush=True,
+        )
+    return results
+
+
+# ---------------------------------------------------------------------- training
+def training_pass_flops(trainer: Trainer, args: argparse.Namespace, shape: Shape) -> dict:
+    """FLOPs of one micro-batch x one timestep of the NFT loss, both backward kinds.
+
+    ``combined``: old, reference and trained forwards plus one backward of the weighted
+    loss (weighted sum, cached MARBLE steps); ``per_objective``: the same forwards plus
+    the K-row batched backward of a MARBLE full-solve step. Counted without gradient
+    checkpointing, so the recomputed forward is not counted as useful work.
+    """
+    policy = trainer.policy
+    device = trainer.world.device
+    count = len(trainer.reward_names)
+    trainer._rollout_sigmas = sampler_sigmas(args.train_sampling_steps)
+    micro = MicroBatch(
+        latents=torch.randn(args.batch, *policy.latent_shape(shape.resolution), device=device),
+        embeds=policy.encode_prompts(["x"] * args.batch, shape.t5_tokens),
+        advantages=torch.randn(args.batch, count).clamp(-2, 2),
+        sigma_order=torch.full((args.batch, 1), args.train_sampling_steps // 2),
+    )
+    combined_micro = dataclasses.replace(micro, advantages=micro.advantages[:, :1])
+
+    def backward(group: MicroBatch, weights: torch.Tensor | None, k: int) -> None:
+        stream = trainer._loss_stream([group], torch.Generator().manual_seed(0))
+        accumulate_gradients(stream, trainer.parameters, weights, k)
+
+    combined = count_flops(lambda: backward(combined_micro, torch.ones(1, dtype=torch.float64), 1))
+    per_objective = count_flops(lambda: backward(micro, None, count))
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return {
+        "combined_per_sample_timestep": combined["flops"] / args.batch,
+        "per_objective_per_sample_timestep": per_objective["flops"] / args.batch,
+        "attention_flops_counted": combined["attention_flops"] > 0,
+    }
+
+
+def set_checkpointing(trainer: Trainer, enabled: bool) -> None:
+    transformer = trainer.policy.transformer
+    if enabled:
+        transformer.enable_gradient_checkpointing()
+    else:
+        transformer.disable_gradient_checkpointing()
+
+
+@dataclass
+class StepTimer:
+    """Wraps ``Trainer.optimizer_step_on`` on one instance: synchronized seconds per step."""
+
+    trainer: Trainer
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.original = self.trainer.optimizer_step_on
+        self.trainer.optimizer_step_on = self
+
+    def __call__(self, group: list[MicroBatch], generator: torch.Generator) -> dict[str, Any]:
+        record, seconds = timed(self.trainer.world.device, lambda: self.original(group, generator))
+        self.steps.append(
+            {
+                "seconds": seconds,
+                "solved": int(record["solved"]),
+                "fallback": record["fallback"],
+                "sample_timesteps": sum(m.sigma_order.numel() for m in group),
+            }
+        )
+        return record
+
+
+def run_epoch(trainer: Trainer, timer: StepTimer, strategy: Strategy) -> dict[str, Any]:
+    """One real ``train_epoch`` under ``strategy``: epoch, rollout and per-step times, memory."""
+    device = trainer.world.device
+    trainer.strategy = strategy
+    timer.steps = []
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    record, seconds = timed(device, trainer.train_epoch)
+    trainer.epoch += 1
+    return {
+        "epoch_s": seconds,
+        "rollout_s": record["time/rollout"],
+        "reward_s": record["time/reward"],
+        "train_s": sum(step["seconds"] for step in timer.steps),
+        "steps": timer.steps,
+        # Training-phase peak: the trainer resets the peak right before its optimizer steps.
+        "peak_memory_gib": record.get("memory/peak_gib", peak_rss_gib()),
+        "resident_gib": resident,
+        "objectives_without_signal": record["objectives_without_signal"],
+    }
+
+
+def measure_training(
+    trainer: Trainer, args: argparse.Namespace, shape: Shape, run_dir: Path
+) -> dict[str, list[dict[str, Any]]]:
+    """Every strategy, interleaved per epoch in rotated order, per checkpointing mode."""
+    timer = StepTimer(trainer)
+    names = list(STRATEGIES)
+    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
+    epochs: dict[str, list[dict[str, Any]]] = {}
+    total = len(modes) * (1 + args.rounds) * len(names)
+    with tqdm(total=total, desc="training epochs", file=sys.stdout) as bar:
+        for checkpointing in modes:
+            mode = f"checkpointing_{'on' if checkpointing else 'off'}"
+            set_checkpointing(trainer, checkpointing)
+            strategies = make_strategies(args, shape, run_dir, trainer, 1)
+            failed: dict[str, str] = {}
+            epochs[mode] = []
+            for round_index in range(1 + args.rounds):  # round 0: warm-up, not summarized
+                shift = round_index % len(names)
+                for name in names[shift:] + names[:shift]:
+                    bar.set_postfix_str(f"{mode} {name}")
+                    bar.update(1)
+                    if name in failed:
+                        continue
+                    try:
+                        epoch = run_epoch(trainer, timer, strategies[name])
+                    except torch.OutOfMemoryError as error:
+                        failed[name] = f"out of memory: {str(error).splitlines()[0]}"
+                        trainer.optimizer.zero_grad(set_to_none=True)
+                        torch.cuda.empty_cache()
+                        epochs[mode].append({"strategy": name, "error": failed[name]})
+                        continue
+                    epochs[mode].append({"strategy": name, "round": round_index, **epoch})
+    set_checkpointing(trainer, False)
+    return epochs
+
+
+def summarize_training(
+    epochs: list[dict[str, Any]], flops: dict[str, Any], peak_tflops: float
+) -> dict[str, dict[str, Any]]:
+    """Per strategy over the measured rounds: seconds, MFU, memory, solved steps."""
+    summary: dict[str, dict[str, Any]] = {}
+    useful = flops["combined_per_sample_timestep"]
+    for name in STRATEGIES:
+        mine = [e for e in epochs if e["strategy"] == name]
+        errors = [e["error"] for e in mine if "error" in e]
+        measured = [e for e in mine if "error" not in e and e["round"] > 0]
+        if errors or not measured:
+            summary[name] = {"error": errors[0] if errors else "no measured epoch"}
+            continue
+        steps = [step for e in measured for step in e["steps"]]
+        train_s = sum(step["seconds"] for step in steps)
+        sample_timesteps = sum(step["sample_timesteps"] for step in steps)
+        per_sample_timestep = train_s / sample_timesteps
+        solved = [step["seconds"] for step in steps if step["solved"]]
+        cached = [step["seconds"] for step in steps if not step["solved"]]
+        summary[name] = {
+            "epochs": len(measured),
+            "optimizer_steps": len(steps),
+            "solved_steps": len(solved),
+            "fallbacks": sum(1 for step in steps if step["fallback"]),
+            "sample_timesteps_per_step": sample_timesteps / len(steps),
+            "s_per_optimizer_step": train_s / len(steps),
+            "s_per_sample_timestep": per_sample_timestep,
+            "median_solved_step_s": statistics.median(solved) if solved else None,
+            "median_cached_step_s": statistics.median(cached) if cached else None,
+            "epoch_s": statistics.mean(e["epoch_s"] for e in measured),
+            "rollout_s": statistics.mean(e["rollout_s"] for e in measured),
+            "reward_s": statistics.mean(e["reward_s"] for e in measured),
+            "training_tflops_useful": useful / per_sample_timestep / 1e12,
+            "training_mfu": useful / per_sample_timestep / 1e12 / peak_tflops,
+            "peak_memory_gib": max(e["peak_memory_gib"] for e in measured),
+            "resident_gib": measured[0]["resident_gib"],
+            "silent_objectives": sum(len(e["objectives_without_signal"]) for e in measured),
+        }
+    return summary
+
+
+def training_ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Speed (baseline time / strategy time, > 1 faster) and memory against the weighted sum."""
+    base = summary[BASELINE]
+    ratios: dict[str, dict[str, float]] = {}
+    for name, item in summary.items():
+        if name == BASELINE or "error" in item or "error" in base:
+            continue
+        ratios[name] = {
+            "train_throughput": base["s_per_optimizer_step"] / item["s_per_optimizer_step"],
+            "epoch_throughput": base["epoch_s"] / item["epoch_s"],
+            "peak_memory": item["peak_memory_gib"] / base["peak_memory_gib"],
+        }
+    return ratios
+
+
+# --------------------------------------------------------------------------- DDP
+@dataclass
+class ProcessGroupWorld(World):
+    """A one-rank World whose collectives still go through the process group.
+
+    ``World`` skips every collective at size 1 (free and correct for a plain run); here
+    the trainer's all-reduces, broadcasts and all-gathers must reach NCCL (gloo on CPU)
+    to show that the distributed path works on this device. ``calls`` counts them.
+    """
+
+    calls: Counter = field(default_factory=Counter)
+
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.calls["all_reduce"] += 1
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor.div_(dist.get_world_size())
+
+    def average_gradients(self, parameters: list[torch.Tensor]) -> None:
+        write_gradient(parameters, self.average(flat_gradient(parameters)))
+
+    def broadcast(self, tensor: torch.Tensor, source: int = 0) -> torch.Tensor:
+        self.calls["broadcast"] += 1
+        moved = tensor.to(self.device).clone()
+        dist.broadcast(moved, src=source)
+        return moved.to(tensor.device)
+
+    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.calls["all_gather"] += 1
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+
+def ddp_child(args: argparse.Namespace) -> int:
+    """Inside ``torchrun``: a weighted-sum and a MARBLE full-solve epoch over the group."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if args.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    started = time.perf_counter()
+    world = ProcessGroupWorld(rank=dist.get_rank(), size=dist.get_world_size(), device=device)
+    shape = SHAPES[args.shape]
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_ddp_") as tmp:
+        trainer, strategies = build_trainer(args, shape, world, Path(tmp))
+        timer = StepTimer(trainer)
+        epochs = {
+            name: run_epoch(trainer, timer, strategies[name])
+            for name in (BASELINE, "marble_every_step")
+        }
+    finite = all(torch.isfinite(p).all() for p in trainer.parameters)
+    report = {
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "collectives": dict(world.calls),
+        "parameters_finite": bool(finite),
+        "epochs": {
+            name: {
+                "epoch_s": e["epoch_s"],
+                "solved_steps": sum(s["solved"] for s in e["steps"]),
+                "steps": len(e["steps"]),
+            }
+            for name, e in epochs.items()
+        },
+        "seconds": time.perf_counter() - started,
+    }
+    dist.destroy_process_group()
+    Path(args.ddp_child).write_text(json.dumps(report))
+    return 0
+
+
+def run_ddp_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """``torchrun --nproc_per_node 1`` of this script's DDP child; its report or the error."""
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_ddp_") as tmp:
+        report_path = Path(tmp) / "ddp.json"
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "1",
+            str(Path(__file__).resolve()),
+            "--ddp-child",
+            str(report_path),
+            *child_arguments(args, device),
+        ]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=args.ddp_timeout)
+        if result.returncode != 0 or not report_path.exists():
+            tail = (result.stdout + result.stderr)[-2000:]
+            return {"ok": False, "exit_code": result.returncode, "output_tail": tail}
+        return {"ok": True, **json.loads(report_path.read_text())}
+
+
+def child_arguments(args: argparse.Namespace, device: torch.device) -> list[str]:
+    return [
+        f"--shape={args.shape}",
+        f"--device={device.type}",
+        f"--dtype={args.dtype}",
+        f"--batch={args.batch}",
+        f"--accumulation={args.accumulation}",
+        f"--train-sampling-steps={args.train_sampling_steps}",
+        f"--threads={args.threads}",
+    ]
+
+
+# ------------------------------------------------------------------- environment
+def device_info(device: torch.device) -> dict[str, Any]:
+    """Name, driver and memory of the measured device; CPU runs say that they are CPU runs."""
+    if device.type != "cuda":
+        return {"type": "cpu", "name": machine_info()["cpu_model"], "slug": "cpu"}
+    properties = torch.cuda.get_device_properties(device)
+    info = {
+        "type": "cuda",
+        "name": properties.name,
+        "slug": re.sub(r"[^a-z0-9]+", "-", properties.name.lower()).strip("-"),
+        "memory_gib": properties.total_memory / 2**30,
+        "compute_capability": f"{properties.major}.{properties.minor}",
+        "cuda_runtime": torch.version.cuda,
+        "driver": None,
+    }
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        result = subprocess.run(query, capture_output=True, text=True)
+        if result.returncode == 0:
+            info["driver"] = result.stdout.strip().splitlines()[device.index or 0]
+    return info
+
+
+def versions() -> dict[str, str]:
+    import diffusers
+    import peft
+
+    return {
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "peft": peft.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+# ----------------------------------------------------------------------- targets
+def targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each issue target with its measured value and where it stands."""
+    rows = []
+    for mode, block in payload["training"].items():
+        ratios = block["ratios"]
+        for name, key, paper in (
+            ("marble_amortized", "throughput_target", "throughput_paper"),
+            ("marble_every_step", "throughput_target", "throughput_paper"),
+        ):
+            rows.append(
+                {
+                    "quantity": f"{LABELS[name]}: whole-training throughput vs weighted sum "
+                    f"({mode.replace('_', ' ')})",
+                    "target": f">= {PAPER[name][key]:.2f}x",
+                    "paper": f"{PAPER[name][paper]:.2f}x",
+                    "value": ratios.get(name, {}).get("epoch_throughput"),
+                    "at_least": PAPER[name][key],
+                }
+            )
+            rows.append(
+                {
+                    "quantity": f"{LABELS[name]}: peak memory vs weighted sum "
+                    f"({mode.replace('_', ' ')})",
+                    "target": f"<= {PAPER['memory']['target']:.2f}x",
+                    "paper": f"{PAPER['memory']['paper']:.2f}x",
+                    "value": ratios.get(name, {}).get("peak_memory"),
+                    "at_most": PAPER["memory"]["target"],
+                }
+            )
+        for name in STRATEGIES:
+            rows.append(
+                {
+                    "quantity": f"training MFU, {LABELS[name]} ({mode.replace('_', ' ')})",
+                    "target": f">= {100 * TARGET_MFU['training']:.0f}%",
+                    "paper": "-",
+                    "value": block["summary"][name].get("training_mfu"),
+                    "at_least": TARGET_MFU["training"],
+                }
+            )
+    for steps, item in payload["rollout"]["steps"].items():
+        rows.append(
+            {
+                "quantity": f"rollout MFU, {steps} sampler steps",
+                "target": f">= {100 * TARGET_MFU['rollout']:.0f}%",
+                "paper": "-",
+                "value": item["mfu"],
+                "at_least": TARGET_MFU["rollout"],
+            }
+        )
+    for row in rows:
+        value = row["value"]
+        if payload["smoke_run"]:
+            row["status"] = "not assessed: CPU smoke run"
+        elif value is None:
+            row["status"] = "not measured"
+        elif value >= row.get("at_least", -math.inf) and value <= row.get("at_most", math.inf):
+            row["status"] = "met"
+        else:
+            row["status"] = "not met"
+    return rows
+
+
+# ---------------------------------------------------------------------- markdown
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    device, shape, setup = payload["device"], payload["shape"], payload["setup"]
+    lines = [f"# GPU benchmark: {shape['name']} shape on {device['name']}", ""]
+    if payload["smoke_run"]:
+        lines += [
+            "> **CPU smoke run, not a result.** This ran on a CPU to check that the script "
+            "works end to end; every figure below is a CPU figure and says nothing about "
+            "GPU throughput, MFU or memory. The targets are not assessed.",
+            "",
+        ]
+    driver = device.get("driver") or "n/a"
+    lines += [
+        f"Device: {device['name']} ({device['type']}; driver {driver}); "
+        + ", ".join(f"{k} {v}" for k, v in payload["versions"].items())
+        + f"; git {payload['source']['git_head']}; {payload['date']}; "
+        f"{payload['total_seconds']:.0f} s in all.",
+        "",
+        "## Setup",
+        "",
+        f"- Model: `SD3Transformer2DModel` {shape['name']} shape, random weights "
+        f"({setup['transformer_parameters'] / 1e9:.3g} B parameters), VAE of the SD3 shape "
+        f"({setup['vae_parameters'] / 1e6:.3g} M), {setup['dtype']}, {shape['resolution']} px "
+        f"(latent {'x'.join(map(str, shape['latent']))}).",
+        f"- Text conditioning: {setup['text_embeddings']}",
+        f"- Rewards: {setup['rewards']}",
+        f"- LoRA r={setup['lora']['rank']} alpha={setup['lora']['alpha']} on "
+        f"{', '.join(setup['lora']['targets'])} ({setup['trainable_parameters'] / 1e6:.3g} M "
+        "trainable parameters), from `configs/sd35m_marble_5r.yaml`.",
+        f"- Batch {setup['batch']} per GPU, gradient accumulation {setup['accumulation']}; "
+        f"training epochs sample with {setup['train_sampling_steps']} steps and train on "
+        f"{setup['timesteps_per_sample']} timesteps per sample; {setup['rounds']} measured "
+        "rounds after one warm-up round, strategies interleaved per epoch in rotated order.",
+        "",
+        f"Peak: {payload['peak_matmul']['tflops']:.4g} TFLOP/s measured by a "
+        f"{payload['peak_matmul']['size']}^2 {payload['peak_matmul']['dtype']} matmul; every "
+        "MFU below is against it. FLOPs: `FlopCounterMode` on one forward / one training "
+        "pass"
+        + (
+            ""
+            if payload["flops"]["attention_flops_counted"]
+            else " (attention kernels not counted on this device)"
+        )
+        + ".",
+        "",
+        "## Rollout",
+        "",
+    ]
+    rollout_rows = [
+        [
+            steps,
+            _num(item["images_per_s"]),
+            _num(item["seconds_per_batch"]),
+            _num(item["tflops"]),
+            _pct(item["mfu"]),
+            _pct(item["decode_share"]),
+        ]
+        for steps, item in payload["rollout"]["steps"].items()
+    ]
+    lines += [
+        markdown_table(
+            ["sampler steps", "images/s", "s per batch", "TFLOP/s", "MFU", "VAE decode share"],
+            rollout_rows,
+        ),
+        "",
+        "## Training",
+        "",
+    ]
+    for mode, block in payload["training"].items():
+        rows = []
+        for name, item in block["summary"].items():
+            if "error" in item:
+                rows.append([LABELS[name], item["error"], *["-"] * 7])
+                continue
+            ratio = block["ratios"].get(name, {})
+            rows.append(
+                [
+                    LABELS[name],
+                    _num(item["s_per_optimizer_step"]),
+                    _num(item["s_per_sample_timestep"]),
+                    _pct(item["training_mfu"]),
+                    f"{_num(item['epoch_s'])} ({_num(item['rollout_s'])} + "
+                    f"{_num(item['reward_s'])})",
+                    _num(ratio.get("train_throughput", 1.0)),
+                    _num(ratio.get("epoch_throughput", 1.0)),
+                    f"{item['peak_memory_gib']:.2f} ({_num(ratio.get('peak_memory', 1.0))}x)",
+                    f"{item['solved_steps']}/{item['optimizer_steps']}",
+                ]
+            )
+        lines += [
+            f"### {mode.replace('_', ' ')}",
+            "",
+            markdown_table(
+                [
+                    "strategy",
+                    "s / optimizer step",
+                    "s / (sample, timestep)",
+                    "training MFU",
+                    "epoch s (rollout + rewards in it)",
+                    "x train throughput",
+                    "x whole-training throughput",
+                    "peak memory GiB (x)",
+                    "solved steps",
+                ],
+                rows,
+            ),
+            "",
+        ]
+    memory = "`torch.cuda.max_memory_allocated` over the optimizer steps (the trainer resets it"
+    if payload["smoke_run"]:
+        memory = "process peak RSS (`ru_maxrss`, lifetime high-water: not per strategy"
+    lines += [
+        f"Memory: {memory}). Training MFU counts useful FLOPs (old, reference and trained "
+        "forwards plus one backward per (sample, timestep)) for every strategy, so it "
+        "falls with any extra work: the per-reward backward, the solve, recomputation. "
+        "Whole-training throughput: one epoch = rollout, rewards, advantages, the optimizer "
+        "steps and the old-adapter update.",
+        "",
+        "## Targets",
+        "",
+        markdown_table(
+            ["quantity", "target", "paper", "this run", "status"],
+            [
+                [
+                    row["quantity"],
+                    row["target"],
+                    row["paper"],
+                    _pct(row["value"]) if "MFU" in row["quantity"] else _num(row["value"]) + "x",
+                    row["status"],
+                ]
+                for row in payload["targets"]
+            ],
+        ),
+        "",
+        "## Distributed path",
+        "",
+    ]
+    ddp = payload["ddp"]
+    if ddp is None:
+        lines.append("Not run (--skip-ddp).")
+    elif ddp["ok"]:
+        calls = ", ".join(f"{count} {op}" for op, count in sorted(ddp["collectives"].items()))
+        lines.append(
+            f"`torchrun --nproc_per_node 1`: backend {ddp['backend']}, world size "
+            f"{ddp['world_size']}; a weighted-sum and a MARBLE full-solve epoch ran with "
+            f"{calls} through the process group; parameters finite: "
+            f"{ddp['parameters_finite']}."
+        )
+    else:
+        lines.append(f"FAILED (exit {ddp['exit_code']}):\n\n```\n{ddp['output_tail']}\n```")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="sd35m")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bf16 on GPU")
+    parser.add_argument("--batch", type=int, default=9, help="images per GPU per micro-batch")
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
+    parser.add_argument(
+        "--train-sampling-steps",
+        type=int,
+        default=10,
+        help="sampler steps of the training epochs' rollouts (timesteps: int(0.99 x steps))",
+    )
+    parser.add_argument("--rounds", type=int, help="measured rounds (default: per shape)")
+    parser.add_argument("--repeats", type=int, help="timed rollout repeats (default: per shape)")
+    parser.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
+    parser.add_argument(
+        "--threads", type=int, default=THREADS, help="CPU runs: torch threads (shared-VM default)"
+    )
+    parser.add_argument("--skip-ddp", action="store_true")
+    parser.add_argument("--ddp-timeout", type=int, default=600)
+    parser.add_argument("--out", type=Path, help=f"default {GPU_RESULTS} (CPU: {CPU_RESULTS})")
+    parser.add_argument("--ddp-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    shape = SHAPES[args.shape]
+    args.rounds = shape.rounds if args.rounds is None else args.rounds
+    args.repeats = shape.repeats if args.repeats is None else args.repeats
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.ddp_child:
+        return ddp_child(args)
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    shape = SHAPES[args.shape]
+    out = args.out or (GPU_RESULTS if device.type == "cuda" else CPU_RESULTS)
+
+    def stage(text: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {text}", flush=True)
+
+    ddp = None
+    if not args.skip_ddp:  # first, while this process holds no GPU memory
+        stage("DDP check: torchrun --nproc_per_node 1")
+        ddp = run_ddp_check(args, device)
+        stage(f"DDP check {'passed' if ddp['ok'] else 'FAILED'}")
+    stage(f"building the {shape.name} model on {device} ({args.dtype})")
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
+        run_dir = Path(tmp)
+        trainer, _ = build_trainer(args, shape, World(rank=0, size=1, device=device), run_dir)
+        dtype = getattr(torch, args.dtype)
+        stage("matmul peak")
+        peak = measure_matmul_peak(device, dtype, shape.matmul_size)
+        stage(f"matmul peak {peak['tflops']:.4g} TFLOP/s; counting training FLOPs")
+        flops = training_pass_flops(trainer, args, shape)
+        stage("rollout")
+        rollout_results = measure_rollout(trainer, args, shape, peak["tflops"])
+        stage("training: strategies interleaved")
+        epochs = measure_training(trainer, args, shape, run_dir)
+        measured = [s for items in epochs.values() for e in items for s in e.get("steps", [])]
+        timesteps = measured[0]["sample_timesteps"] // (args.batch * args.accumulation)
+        transformer = trainer.policy.transformer
+        setup = {
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "accumulation": args.accumulation,
+            "train_sampling_steps": args.train_sampling_steps,
+            "timesteps_per_sample": timesteps,
+            "rounds": args.rounds,
+            "repeats": args.repeats,
+            "lora": {
+                "rank": trainer.config.lora.rank,
+                "alpha": trainer.config.lora.alpha,
+                "targets": list(trainer.policy.lora.target_modules),
+            },
+            "trainable_parameters": sum(p.numel() for p in trainer.parameters),
+            "transformer_parameters": sum(
+                p.numel() for n, p in transformer.named_parameters() if "lora_" not in n
+            ),
+            "vae_parameters": sum(p.numel() for p in trainer.policy.pipeline.vae.parameters()),
+            "text_embeddings": (
+                "precomputed random embeddings of the real shapes, no text encoder run: "
+                f"pooled [B, {shape.pooled_width}] (CLIP-L + CLIP-G), hidden states "
+                f"[B, {shape.clip_tokens} CLIP + {shape.t5_tokens} T5 tokens, "
+                f"{shape.text_width}]."
+            ),
+            "rewards": (
+                f"K = {len(STANDIN_REWARDS)} cheap stand-in image statistics "
+                f"({', '.join(STANDIN_REWARDS)}), not reward models: they time the loop, "
+                "not the scoring of PickScore, OCR or GenEval."
+            ),
+        }
+    training = {}
+    for mode, items in epochs.items():
+        summary = summarize_training(items, flops, peak["tflops"])
+        training[mode] = {"summary": summary, "ratios": training_ratios(summary), "epochs": items}
+    payload: dict[str, Any] = {
+        "benchmark": "gpu",
+        "smoke_run": device.type != "cuda",
+        "device": device_info(device),
+        "versions": versions(),
+        "machine": machine_info(),
+        "source": source_state(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "arguments": sys.argv[1:] if argv is None else argv,
+        "shape": shape.describe(),
+        "setup": setup,
+        "peak_matmul": peak,
+        "flops": flops,
+        "rollout": rollout_results,
+        "training": training,
+        "ddp": ddp,
+        "total_seconds": time.perf_counter() - started,
+    }
+    payload["targets"] = targets(payload)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"gpu_{payload['device']['slug']}"
+    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
+    json_path.write_text(json.dumps(_compact(payload), indent=2, default=str) + "\n")
+    md_path.write_text(render_markdown(payload).rstrip() + "\n")
+    stage(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
