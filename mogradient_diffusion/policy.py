@@ -309,6 +309,8 @@ class Policy:
 
         ``default`` runs with autograd; ``old`` and ``reference`` run under no_grad. The
         adapter that was active before the call (``default`` normally) is active after it.
+        The transformer runs in the policy's dtype (bf16 in the recipes); the velocity comes
+        back in the latents' dtype, so losses are computed in float32.
         """
         _check_adapter(adapter)
         sigmas = torch.as_tensor(sigmas, device=latents.device, dtype=torch.float32)
@@ -323,13 +325,14 @@ class Policy:
             self.use_adapter(adapter),
             torch.set_grad_enabled(adapter == "default" and torch.is_grad_enabled()),
         ):
-            return self.denoiser(
-                hidden_states=latents,
+            velocity = self.denoiser(
+                hidden_states=latents.to(self.dtype),
                 encoder_hidden_states=embeds.prompt_embeds,
                 pooled_projections=embeds.pooled,
                 timestep=sigmas * NUM_TRAIN_TIMESTEPS,
                 return_dict=False,
             )[0]
+        return velocity.to(latents.dtype)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:

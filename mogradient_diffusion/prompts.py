@@ -164,11 +164,17 @@ class StratifiedPromptSampler:
 
     def _counts(self, num_prompts: int) -> np.ndarray:
         self._credit += num_prompts * self.weights
-        counts = np.floor(self._credit).astype(int)
+        # A source handed a seat above its share carries negative credit: it gets no seat
+        # (never a negative one) until its quota catches up.
+        counts = np.floor(np.maximum(self._credit, 0.0)).astype(int)
+        remainders = self._credit - counts
+        # Stable sorts: ties go to the earlier source, deterministically.
+        while counts.sum() > num_prompts:
+            candidates = np.flatnonzero(counts > 0)
+            counts[candidates[np.argmin(remainders[candidates])]] -= 1
+            remainders = self._credit - counts
         leftover = num_prompts - counts.sum()
-        # Stable sort: ties go to the earlier source, deterministically.
-        order = np.argsort(-(self._credit - counts), kind="stable")
-        counts[order[:leftover]] += 1
+        counts[np.argsort(-remainders, kind="stable")[:leftover]] += 1
         self._credit -= counts
         return counts
 

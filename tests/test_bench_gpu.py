@@ -83,10 +83,6 @@ def test_small_shape_cpu_smoke_run_writes_the_full_schema(tmp_path: Path) -> Non
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the trainer feeds float32 latents to a bf16 transformer (Trainer._nft_loss)",
-)
 def test_small_shape_runs_in_bfloat16(tmp_path: Path) -> None:
     """The recipe's dtype: the GPU run needs the training path to work in bf16."""
     result = _run(tmp_path, "--dtype=bfloat16", "--skip-ddp", "--checkpointing=on")

@@ -6,6 +6,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mogradient_diffusion.prompts import (
@@ -146,6 +147,21 @@ def test_stratified_proportions():
 
     only = StratifiedPromptSampler(sources(), weights=[0, 1, 0], seed=0)
     assert {s for _, s, _ in only.sample(5)} == {"ocr"}
+
+
+@pytest.mark.parametrize("weights", [None, [2, 1, 1], [0.1, 0.3, 0.6]])
+def test_every_batch_has_exactly_the_asked_size_and_its_share(weights):
+    """Small batches over several sources once returned negative seats (more prompts than
+    asked): carried credit went below -1 and its floor became a negative count."""
+    sampler = StratifiedPromptSampler(sources(), weights=weights, seed=0)
+    shares = np.ones(3) / 3 if weights is None else np.array(weights) / np.sum(weights)
+    totals = np.zeros(3)
+    for size in [1, 1, 2, 1, 3, 1, 1, 5, 2, 1, 1, 4, 1, 1]:
+        batch = sampler.sample(size)
+        assert len(batch) == size
+        names = [prompt.source for prompt in batch]
+        totals += [names.count(source.name) for source in sampler.sources]
+        assert np.all(np.abs(totals - totals.sum() * shares) < 1 + 1e-9)
 
 
 def test_without_replacement_within_each_pass():
