@@ -10,6 +10,7 @@ the two CLIP projection sizes sum to ``pooled_projection_dim``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import string
 from dataclasses import dataclass
@@ -149,7 +150,13 @@ def save_tiny_pipeline(
 
 
 def _clip_tokenizer(vocabulary: tuple[str, ...], max_length: int = CLIP_MAX_LENGTH):
-    """Byte-pair tokenizer: single characters plus merges that spell each known word."""
+    """Byte-pair tokenizer: single characters plus merges that make each known word one token.
+
+    BPE applies the lowest-ranked merge present first, so merges written for one word can
+    split another (an early ``e n</w>`` turns green into ``g re e n</w>``). Each word is
+    therefore first segmented with the merges so far, and its leftover parts are joined by
+    new merges ranked after them: the earlier words' segmentations stay as they were.
+    """
     from transformers import CLIPTokenizer
 
     symbols = string.ascii_lowercase + string.digits + string.punctuation
@@ -157,15 +164,14 @@ def _clip_tokenizer(vocabulary: tuple[str, ...], max_length: int = CLIP_MAX_LENG
     for char in symbols:
         vocab.setdefault(char, len(vocab))
         vocab.setdefault(char + "</w>", len(vocab))
-    merges: list[str] = []
+    ranks: dict[tuple[str, str], int] = {}
     for word in vocabulary:
-        parts = [*word[:-1], word[-1] + "</w>"]
+        parts = _bpe([*word[:-1], word[-1] + "</w>"], ranks)
         while len(parts) > 1:
-            merge = f"{parts[0]} {parts[1]}"
-            if merge not in merges:
-                merges.append(merge)
+            ranks.setdefault((parts[0], parts[1]), len(ranks))
             parts = [parts[0] + parts[1], *parts[2:]]
             vocab.setdefault(parts[0], len(vocab))
+    merges = [f"{a} {b}" for (a, b), _ in sorted(ranks.items(), key=lambda item: item[1])]
     for special in ("<|startoftext|>", "<|endoftext|>"):
         vocab[special] = len(vocab)
     with TemporaryDirectory() as folder:
@@ -173,6 +179,22 @@ def _clip_tokenizer(vocabulary: tuple[str, ...], max_length: int = CLIP_MAX_LENG
         vocab_file.write_text(json.dumps(vocab))
         merges_file.write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
         return CLIPTokenizer(str(vocab_file), str(merges_file), model_max_length=max_length)
+
+
+def _bpe(parts: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """CLIP's byte-pair loop: join every occurrence of the lowest-ranked known pair, repeat."""
+    while len(parts) > 1:
+        pair = min(itertools.pairwise(parts), key=lambda p: ranks.get(p, len(ranks)))
+        if pair not in ranks:
+            return parts
+        joined: list[str] = []
+        for part in parts:
+            if joined and (joined[-1], part) == pair:
+                joined[-1] += part
+            else:
+                joined.append(part)
+        parts = joined
+    return parts
 
 
 def _t5_tokenizer(vocabulary: tuple[str, ...]):

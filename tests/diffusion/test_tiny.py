@@ -26,3 +26,16 @@ def test_tiny_pipeline_round_trips_and_generates(tiny_pipeline_dir: Path) -> Non
     assert torch.isfinite(images).all() and images.min() >= 0 and images.max() <= 1
     # Unknown words still tokenize (character fallback) instead of mapping to <unk>.
     assert pipeline.tokenizer_3.unk_token_id not in pipeline.tokenizer_3("zqx").input_ids
+
+
+def test_clip_tokenizer_keeps_every_known_word_whole() -> None:
+    """BPE merges of one word must not split another (green was g/re/e/n</w>)."""
+    from mogradient_diffusion.mini.world import vocabulary
+    from mogradient_diffusion.tiny import DEFAULT_WORDS, _clip_tokenizer
+
+    words = tuple(dict.fromkeys(DEFAULT_WORDS + vocabulary()))
+    tokenizer = _clip_tokenizer(words)
+    split = {word: tokenizer.tokenize(word) for word in words}
+    assert {word: parts for word, parts in split.items() if len(parts) != 1} == {}
+    assert tokenizer.tokenize("zqx") == ["z", "q", "x</w>"]  # unknown text still spells out
+
