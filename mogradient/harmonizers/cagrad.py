@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from mogradient.harmonizers.base import Harmonizer, Weighting
-from mogradient.qp import solve_simplex_qp
+from mogradient.qp_cone import near_dependent
 
-_MAX_ITERATIONS = 100
-_ACCEPT_RESIDUAL = 1e-10
+_MAX_ITERATIONS = 200
+_EPS = float(np.finfo(np.float64).eps)
+# A constraint g_k . d >= mu counts as violated beyond this fraction of the size of its
+# terms, |mu| + ||g_k|| (||g0|| + s): relative to each gradient's own size at any spread.
+_TOLERANCE = 1e-12
+# Eigenvalues of the cosine matrix below this x K x the largest are round-off.
+_EIGENVALUE_FLOOR = 4 * _EPS
+# Unit-scaled differences of support points whose singular values are below this of the
+# largest are dependent (the support is affinely dependent in that direction).
+_RANK_TOLERANCE = 1e-10
 
 
 class CAGrad(Harmonizer):
@@ -22,17 +31,26 @@ class CAGrad(Harmonizer):
     g_w = J^T w and s = c ||g0||, and then d = g0 + (s / ||g_w||) g_w, i.e. raw weights
     1/K + (s / ||g_w||) w (paper's Algorithm 1, and TorchJD).
 
-    We solve the dual exactly instead of with a generic solver: writing
-    s ||x|| = min_t s (||x||^2 / (2t) + t / 2) and t = s * lam turns it into a 1-D convex
-    problem whose inner problem is MGDA's min-norm QP on the shifted points g_k + lam g0
-    (exact, :func:`mogradient.qp.solve_simplex_qp`), with optimality condition
-    ||g_w(lam)|| = s * lam. On a fixed support g_w(lam) is affine in lam, so each step
-    solves a quadratic; a bracket keeps it safe. ``kkt_residual`` is F's KKT residual in
-    units of max ||g_k||^2.
+    We solve the dual exactly with Wolfe's active-set method applied to F (F is convex,
+    so the min-norm method's corral argument carries over). On a support S the minimizer
+    of F over its affine hull is closed-form: with m the min-norm point of aff(g_S) and
+    h the projection of g0 on the span of the differences, g_w = m - lam h where
+    lam = ||m|| / sqrt(s^2 - ||h||^2) (F decreases without bound along -h when
+    s <= ||h||). Everything is computed on explicit coordinates of the gradients in their
+    span, with rank decisions made on unit-scaled vectors and every optimality test
+    relative to the sizes of the terms involved, so gradients whose norms span 1e-16..1e16
+    are handled exactly: the answer then hinges on the smallest ones, in their own units.
+    The coordinates come from the cosine matrix (Gram path) or, when the Gram says the
+    gradients are near-dependent, from a QR factorization of the stack itself, which keeps
+    what the Gram loses (``refine``; the direction is then formed in those coordinates).
+
+    ``kkt_residual`` is the largest violation of the primal optimality conditions
+    g_k . d >= mu (equality on the support), each relative to the size of its terms,
+    |mu| + ||g_k|| (||g0|| + s).
 
     ``rescale=True`` divides the direction by 1 + c^2, the authors' code default (not in
-    the paper). If the optimal g_w is zero (a Pareto-stationary point with c >= 1) the
-    direction is zero (``fallback="pareto_stationary"``); if g0 is zero it is g0.
+    the paper). If 0 is in the convex hull of the gradients and c >= 1 the direction is
+    zero (``fallback="pareto_stationary"``); if g0 is zero it is g0.
     """
 
     def __init__(self, c: float = 0.5, rescale: bool = False) -> None:
@@ -42,150 +60,240 @@ class CAGrad(Harmonizer):
         self.rescale = bool(rescale)
 
     def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
-        count = len(objectives)
-        normalized = (gram / torch.diagonal(gram).max()).numpy()
-        mean_weights = np.full(count, 1.0 / count)
-        linear = normalized @ mean_weights  # g_k . g0
-        mean_sq_norm = float(mean_weights @ linear)  # ||g0||^2
-        radius = self.c * math.sqrt(max(mean_sq_norm, 0.0))
-        divisor = 1.0 + self.c**2 if self.rescale else 1.0
-        if radius <= 1e-15:
-            # c = 0 (or so small that the ball is a point), or g0 = 0 up to round-off: d = g0.
-            fallback = "zero_mean_gradient" if mean_sq_norm <= 1e-24 else None
-            return Weighting(torch.from_numpy(mean_weights / divisor), 0.0, fallback)
-        solution = _solve_dual(normalized, linear, mean_sq_norm, radius)
-        if solution is None:
-            return Weighting(
-                torch.zeros(count, dtype=torch.float64), 0.0, fallback="pareto_stationary"
-            )
-        weights_on_simplex, shift, iterations = solution
-        norm = math.sqrt(max(float(weights_on_simplex @ normalized @ weights_on_simplex), 0.0))
-        residual = _dual_kkt_residual(normalized, linear, radius, weights_on_simplex)
-        weights = (mean_weights + (radius / norm) * weights_on_simplex) / divisor
+        sizes = np.sqrt(np.diag(gram.numpy()))
+        cosines = gram.numpy() / sizes[:, None] / sizes[None, :]
+        np.fill_diagonal(cosines, 1.0)
+        return self._weighting(_span_coordinates(cosines), sizes / sizes.max()).weighting
+
+    def refine(
+        self,
+        jacobian: torch.Tensor,
+        objectives: torch.Tensor,
+        gram: torch.Tensor,
+        weighting: Weighting,
+    ) -> Weighting | None:
+        """Re-solve on the stack's QR coordinates when the Gram says near-dependent."""
+        if not near_dependent(gram.numpy()):
+            return None
+        rows = jacobian[objectives.to(jacobian.device)].cpu().numpy().astype(np.float64)
+        # Norms as (largest entry) x (norm of the row divided by it): no under/overflow.
+        peaks = np.abs(rows).max(axis=1)
+        units = rows / peaks[:, None]
+        sizes = np.linalg.norm(units, axis=1)
+        units /= sizes[:, None]
+        sizes *= peaks
+        basis, coordinates = np.linalg.qr(units.T)
+        solved = self._weighting(coordinates, sizes / sizes.max())
+        if solved.direction is None:
+            return solved.weighting
+        direction = float(sizes.max()) * (basis @ solved.direction)
         return Weighting(
-            torch.from_numpy(weights),
-            kkt_residual=residual,
-            extras={
-                "dual_weights": weights_on_simplex.tolist(),
-                "lambda": shift,
-                "iterations": iterations,
-            },
+            solved.weighting.weights,
+            solved.weighting.kkt_residual,
+            solved.weighting.fallback,
+            {**solved.weighting.extras, "refined_on_stack": True},
+            torch.from_numpy(direction).to(dtype=jacobian.dtype, device=jacobian.device),
+        )
+
+    def _weighting(self, coordinates: np.ndarray, norms: np.ndarray) -> _Solved:
+        """CAGrad on unit vectors given by ``coordinates`` (columns) scaled by ``norms``."""
+        count = len(norms)
+        points = coordinates * norms[None, :]  # g_k / max ||g||, in the span's coordinates
+        mean_weights = np.full(count, 1.0 / count)
+        mean = points @ mean_weights
+        radius = self.c * float(np.linalg.norm(mean))
+        divisor = 1.0 + self.c**2 if self.rescale else 1.0
+        if float(np.linalg.norm(mean)) <= 64 * _EPS * float(norms.mean()):
+            # g0 = 0 up to the round-off of averaging: d = g0 for every c.
+            weights = torch.from_numpy(mean_weights / divisor)
+            return _Solved(Weighting(weights, 0.0, "zero_mean_gradient"), None)
+        if radius == 0.0:
+            return _Solved(Weighting(torch.from_numpy(mean_weights / divisor), 0.0), mean)
+        dual = _solve_dual(points, norms, mean, radius)
+        if dual.stationary:
+            # 0 is in the hull and F's minimum is 0 at g_w = 0. For c >= 1 the ball holds
+            # d = 0, the answer. For c < 1 (0 exactly on a support's affine hull) the
+            # maximizers are not unique and d = g0 is kept, uncertified.
+            if self.c >= 1.0:
+                zeros = torch.zeros(count, dtype=torch.float64)
+                return _Solved(Weighting(zeros, 0.0, "pareto_stationary"), None)
+            weights = torch.from_numpy(mean_weights / divisor)
+            return _Solved(Weighting(weights, None, "pareto_stationary"), mean / divisor)
+        combined = points @ dual.weights
+        size = float(np.linalg.norm(combined))
+        weights = (mean_weights + (radius / size) * dual.weights) / divisor
+        direction = (mean + (radius / size) * combined) / divisor
+        extras = {
+            "dual_weights": dual.weights.tolist(),
+            "lambda": size / radius,
+            "iterations": dual.iterations,
+        }
+        return _Solved(
+            Weighting(torch.from_numpy(weights), kkt_residual=dual.residual, extras=extras),
+            direction,
         )
 
 
-def _shifted_gram(
-    gram: np.ndarray, linear: np.ndarray, mean_sq_norm: float, shift: float
-) -> np.ndarray:
-    """Gram of g_k + shift * g0."""
-    ones = np.ones(len(gram))
-    return (
-        gram
-        + shift * (np.outer(linear, ones) + np.outer(ones, linear))
-        + shift**2 * mean_sq_norm * np.outer(ones, ones)
-    )
+@dataclass(frozen=True)
+class _Solved:
+    weighting: Weighting
+    direction: np.ndarray | None  # d in the coordinates (units of max ||g||), when formed
 
 
-def _inner(
-    gram: np.ndarray, linear: np.ndarray, mean_sq_norm: float, shift: float
-) -> tuple[np.ndarray, float]:
-    """Simplex weights of the min-norm point of {g_k + shift g0}, and ||g_w||."""
-    weights = solve_simplex_qp(_shifted_gram(gram, linear, mean_sq_norm, shift)).weights
-    return weights, math.sqrt(max(float(weights @ gram @ weights), 0.0))
+@dataclass(frozen=True)
+class _Dual:
+    weights: np.ndarray
+    residual: float
+    iterations: int
+    stationary: bool  # g_w = 0 is optimal: 0 is in the convex hull of the gradients
 
 
-def _affine_piece(
-    gram: np.ndarray, linear: np.ndarray, support: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """w(lam) = base + lam * slope minimizes ||g_w + lam g0||^2 on the support's affine hull."""
-    size = int(support.sum())
-    system = np.zeros((size + 1, size + 1))
-    system[:size, :size] = gram[np.ix_(support, support)]
-    system[:size, size] = 1.0
-    system[size, :size] = 1.0
-    rhs = np.zeros((size + 1, 2))
-    rhs[size, 0] = 1.0
-    rhs[:size, 1] = -linear[support]
-    solved = np.linalg.lstsq(system, rhs, rcond=1e-13)[0][:size]
-    base = np.zeros(len(gram))
-    slope = np.zeros(len(gram))
-    base[support], slope[support] = solved[:, 0], solved[:, 1]
-    return base, slope
+def _span_coordinates(cosines: np.ndarray) -> np.ndarray:
+    """A (r x K) with A^T A = cosines, dropping eigenvalues at round-off level."""
+    eigenvalues, eigenvectors = np.linalg.eigh(0.5 * (cosines + cosines.T))
+    floor = _EIGENVALUE_FLOOR * len(cosines) * max(float(eigenvalues[-1]), 0.0)
+    keep = eigenvalues > floor
+    return np.sqrt(eigenvalues[keep])[:, None] * eigenvectors[:, keep].T
 
 
-def _piece_root(
-    gram: np.ndarray, base: np.ndarray, slope: np.ndarray, radius: float, lo: float, hi: float
-) -> float | None:
-    """lam in (lo, hi) with ||g_{base + lam slope}|| = radius * lam, or None."""
-    a = float(slope @ gram @ slope) - radius**2
-    b = float(base @ gram @ slope)
-    c = float(base @ gram @ base)
-    # ||g_base|| = 0 (0 in the support's affine hull) up to round-off: then
-    # ||g_w(lam)|| / lam is constant on the piece and round-off must not create a root.
-    noise = 1e-13 * (1.0 + float(np.abs(base).sum()) + float(np.abs(slope).sum())) ** 2
-    c = 0.0 if c <= noise else c
-    b = 0.0 if abs(b) <= noise else b
-    if abs(a) <= 1e-14 * (abs(b) + abs(c) + radius**2):
-        roots = [-c / (2 * b)] if b != 0 else []
-    else:
-        disc = b * b - a * c
-        if disc < 0:
-            return None
-        root = math.sqrt(disc)
-        # Numerically stable pair of roots of a lam^2 + 2 b lam + c.
-        q = -(b + math.copysign(root, b))
-        roots = [q / a] + ([c / q] if q != 0 else [])
-    inside = [lam for lam in roots if lo < lam < hi]
-    return min(inside) if inside else None
-
-
-def _solve_dual(
-    gram: np.ndarray, linear: np.ndarray, mean_sq_norm: float, radius: float
-) -> tuple[np.ndarray, float, int] | None:
-    """Weights of min_{w in simplex} w.linear + radius ||g_w||; None if ||g_w*|| = 0."""
-    # psi(lam) = ||g_w(lam)|| / lam - radius decreases; psi(0+) > 0 unless the min-norm
-    # point is zero, and psi(lam) < 0 for lam > 1 / radius since ||g_w|| <= 1 (normalized).
-    lo, hi = 0.0, 2.0 / radius
-    weights, norm = _inner(gram, linear, mean_sq_norm, 0.0)
-    if norm <= 1e-12 and radius >= math.sqrt(mean_sq_norm):
-        # 0 is in the hull and c >= 1: F >= (c - 1) ||g0|| ||g_w|| >= 0 = F(w_mgda).
-        return None
-    shift = 0.0
+def _solve_dual(points: np.ndarray, norms: np.ndarray, mean: np.ndarray, radius: float) -> _Dual:
+    """Wolfe's method on min over the simplex of F(w) = g_w . g0 + radius ||g_w||."""
+    count = len(norms)
+    weights = np.zeros(count)
+    start = int(np.argmin(points.T @ mean + radius * norms))  # the best vertex
+    weights[start] = 1.0
+    support = [start]
+    iteration = 0
     for iteration in range(1, _MAX_ITERATIONS + 1):
-        support = weights > 0
-        base, slope = _affine_piece(gram, linear, support)
-        root = _piece_root(gram, base, slope, radius, lo, hi)
-        bisection = 0.5 * (lo + hi) if lo == 0 else math.sqrt(lo * hi)
-        shift = root if root is not None else bisection
-        weights, norm = _inner(gram, linear, mean_sq_norm, shift)
-        if norm > radius * shift:
-            lo = shift
-        else:
-            hi = shift
-        piece = base + shift * slope
-        if root is not None and np.array_equal(weights > 0, support) and np.all(piece >= 0):
-            # Same support as the piece the root came from: the root is exact, unless
-            # round-off made it up (checked by the KKT conditions of the dual).
-            piece = np.maximum(piece, 0.0) / np.maximum(piece, 0.0).sum()
-            if _dual_kkt_residual(gram, linear, radius, piece) <= _ACCEPT_RESIDUAL:
-                return piece, shift, iteration
-        if hi - lo <= 1e-15 * hi:
+        violations = _violations(points, norms, mean, radius, weights, support)
+        if violations is None:
+            return _Dual(weights, 0.0, iteration, stationary=True)
+        violations[support] = -np.inf  # the support is equalized by the minor cycle
+        entering = int(np.argmax(violations))
+        if violations[entering] <= _TOLERANCE:
             break
-    if norm <= 1e-12:
+        support.append(entering)
+        step = _minor_cycle(points, norms, mean, radius, weights, support)
+        if step is None:
+            return _Dual(weights, 0.0, iteration, stationary=True)
+        weights, support = step
+        if entering not in support and weights[entering] == 0.0:
+            break  # the entering point could not get weight: no progress at this precision
+    violations = _violations(points, norms, mean, radius, weights, support)
+    if violations is None:
+        return _Dual(weights, 0.0, iteration, stationary=True)
+    on_support = np.zeros(count, dtype=bool)
+    on_support[support] = True
+    residual = float(np.max(np.where(on_support, np.abs(violations), violations)))
+    return _Dual(weights, max(residual, 0.0), iteration, stationary=False)
+
+
+def _violations(
+    points: np.ndarray,
+    norms: np.ndarray,
+    mean: np.ndarray,
+    radius: float,
+    weights: np.ndarray,
+    support: list[int],
+) -> np.ndarray | None:
+    """(mu - g_k . d) / (|mu| + ||g_k|| (||g0|| + s)) for every k; None if g_w = 0."""
+    combined = points[:, support] @ weights[support]
+    size = float(np.linalg.norm(combined))
+    if size == 0.0:
         return None
-    return weights, shift, iteration
+    direction = mean + (radius / size) * combined
+    products = points.T @ direction
+    # mu from the smallest support gradient: the others' products carry larger round-off.
+    level = float(products[min(support, key=lambda index: norms[index])])
+    # ||g0|| + radius bounds ||d|| and sizes its round-off, also when d cancels (c >= 1).
+    scale = abs(level) + norms * (float(np.linalg.norm(mean)) + radius)
+    return (level - products) / scale
 
 
-def _dual_kkt_residual(
-    gram: np.ndarray, linear: np.ndarray, radius: float, weights: np.ndarray
-) -> float:
-    """KKT residual of min over the simplex of w.linear + radius ||g_w|| (G max diag 1)."""
-    norm = math.sqrt(max(float(weights @ gram @ weights), 0.0))
-    if norm == 0.0:
-        return math.inf  # F is not differentiable there; such points are handled apart
-    gradient = linear + (radius / norm) * (gram @ weights)
-    value = float(weights @ gradient)
-    support = weights > 0
-    stationarity = float(np.max(np.abs(gradient[support] - value)))
-    descent = float(np.max(np.maximum(value - gradient, 0.0)))
-    feasibility = abs(float(weights.sum()) - 1.0) + float(np.max(np.maximum(-weights, 0.0)))
-    return max(stationarity, descent) + feasibility
+def _minor_cycle(
+    points: np.ndarray,
+    norms: np.ndarray,
+    mean: np.ndarray,
+    radius: float,
+    weights: np.ndarray,
+    support: list[int],
+) -> tuple[np.ndarray, list[int]] | None:
+    """Move from ``weights`` towards F's minimizer on aff(support), dropping points that
+    reach weight zero, until that minimizer is inside the simplex. None if it is g_w = 0."""
+    weights = weights.copy()
+    support = list(support)
+    while True:
+        target, is_point = _affine_target(points, norms, mean, radius, support)
+        if target is None:
+            return None
+        if is_point and np.all(target[support] > 0):
+            return target, support
+        direction = target - weights if is_point else target
+        blocking = [index for index in support if direction[index] < 0]
+        if not blocking:
+            # Only zero weights (the entering point) have target <= 0, or the ray is zero.
+            if not is_point:
+                return weights, support
+            weights = np.maximum(target, 0.0)
+            support = [index for index in support if weights[index] > 0]
+            return weights / weights.sum(), support
+        step = min(weights[index] / -direction[index] for index in blocking)
+        if is_point:
+            step = min(step, 1.0)
+        leaving = min(blocking, key=lambda index: weights[index] / -direction[index])
+        weights = np.maximum(weights + step * direction, 0.0)
+        weights[leaving] = 0.0
+        support = [index for index in support if weights[index] > 0]
+        weights /= weights.sum()
+
+
+def _affine_target(
+    points: np.ndarray, norms: np.ndarray, mean: np.ndarray, radius: float, support: list[int]
+) -> tuple[np.ndarray | None, bool]:
+    """F's minimizer on the affine hull of the support (weights summing to 1, True), or a
+    descent ray along which F decreases without bound (weights summing to 0, False).
+
+    With m the min-norm point of aff(g_S) and h the projection of g0 on the span of the
+    differences, F(m + y) = m.g0 + y.h + s sqrt(||m||^2 + ||y||^2) over y in that span,
+    minimized at y = -lam h with lam = ||m|| / sqrt(s^2 - ||h||^2). Differences are taken
+    from the smallest support point and unit-scaled, so small gradients keep their digits.
+    Returns (None, True) when the minimizer is g_w = 0 (0 in the support's hull).
+    """
+    count = len(norms)
+    anchor = min(support, key=lambda index: norms[index])
+    others = [index for index in support if index != anchor]
+    target = np.zeros(count)
+    if not others:
+        target[anchor] = 1.0
+        return target, True
+    differences = points[:, others] - points[:, [anchor]]
+    scales = np.linalg.norm(differences, axis=0)
+    left, singular, right = np.linalg.svd(differences / scales, full_matrices=False)
+    rank = int(np.sum(singular > _RANK_TOLERANCE * singular[0]))
+    left, singular, right = left[:, :rank], singular[:rank], right[:rank]
+
+    def coefficients(vector: np.ndarray) -> np.ndarray:
+        """t with sum_k t_k (g_k - g_anchor) = vector (vector in the span)."""
+        return (right.T @ ((left.T @ vector) / singular)) / scales
+
+    anchor_point = points[:, anchor]
+    nearest = anchor_point - left @ (left.T @ anchor_point)  # min-norm point of aff(g_S)
+    shift = left @ (left.T @ mean)
+    room = radius**2 - float(shift @ shift)
+    nearest_size = float(np.linalg.norm(nearest))
+    if room <= 0.0:
+        ray = coefficients(-shift)
+        target[others] = ray
+        target[anchor] = -ray.sum()
+        return target, False
+    if nearest_size <= 64 * _EPS * norms[anchor]:
+        # 0 is in aff(g_S) and F >= 0 on it: the minimizer is g_w = 0 if inside the simplex.
+        solved = coefficients(-anchor_point)
+        target[others] = solved
+        target[anchor] = 1.0 - solved.sum()
+        return (None, True) if np.all(target[support] >= 0) else (target, True)
+    shift_size = nearest_size / math.sqrt(room)
+    solved = coefficients(nearest - shift_size * shift - anchor_point)
+    target[others] = solved
+    target[anchor] = 1.0 - solved.sum()
+    return target, True
