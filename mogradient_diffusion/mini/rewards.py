@@ -5,16 +5,27 @@ and are NaN where it does not apply (another tag, or no metadata). The shape rew
 ``vision.detect_shapes`` (the GenEval detector analogue), keep detections scoring above
 GenEval's 0.3 threshold with ``geneval_rules.select_objects`` and score them:
 
-* ``mini_count`` (tag ``counting``): graded, mean over include entries of
-  ``max(0, 1 - |found - asked| / asked)`` where ``found`` counts detections of the
-  entry's shape *and* colour (Flow-GRPO's count term, clamped per entry).
+* ``mini_count`` (tags ``counting`` and ``general``, whose one-object scenes have a
+  count of one): the training reward, half rule and half blob term. The rule term is
+  the mean over include entries of ``max(0, 1 - |found - asked| / asked)`` where
+  ``found`` counts kept detections of the entry's shape *and* colour (Flow-GRPO's count
+  term, clamped per entry); the blob term is the same with ``found`` counting every
+  blob of the entry's colour, whatever its shape or detector score. A weak base model
+  draws blobs long before it draws clean shapes: the rule term alone is 0 on most of
+  its samples and on every sample of half its groups (no within-group signal).
 * ``mini_count_strict`` (``counting``): 1 if every entry's count is exact, else 0. Note
   GenEval's own rule (``mini_binding_strict`` on counting prompts) accepts ``>= count``;
   this held-out metric does not: four squares for "three squares" fail here.
-* ``mini_binding`` (``color_attr``, ``position``): ``geneval_rules.partial_score``,
-  Flow-GRPO's graded GenEval training reward.
+* ``mini_binding`` (``color_attr``, ``position``, ``general``): the training reward,
+  half ``geneval_rules.partial_score`` (Flow-GRPO's graded GenEval reward) and half a
+  blob term: per include entry, whether a blob of its colour is there, and for a
+  position entry whether the largest blobs of the two colours stand in the relation.
 * ``mini_binding_strict`` (``color_attr``, ``position``, ``counting``):
   ``geneval_rules.strict_correct``, GenEval's accuracy (the held-out metric).
+* ``mini_ocr`` (``text``): the graded character-level reader ``reader`` trains with:
+  the share of the word's letters read right where the sign draws them.
+* ``mini_noise``: uniform noise where another reward (option ``like``) applies, the
+  control row that tells drift (any training moves every score) from learning.
 * ``mini_ocr_strict`` (``text``): 1 if Tesseract's normalized reading contains the
   metadata's word (so an exact reading passes), else 0: the exact-read case of the
   training ``ocr`` reward, which it wraps.
@@ -46,6 +57,7 @@ from mogradient_diffusion.rewards.geneval_rules import (
 from mogradient_diffusion.rewards.ocr import OcrReward
 from mogradient_diffusion.rewards.registry import register_reward
 
+from .reader import read_sign_letters
 from .vision import detect_shapes_batch
 
 
@@ -71,6 +83,51 @@ def count_exact(objects: Objects, metadata: Mapping[str, Any]) -> bool:
     return all(
         count_found(objects, entry) == int(entry.get("count", 1)) for entry in metadata["include"]
     )
+
+
+def blob_count_score(blobs: list[Detection], metadata: Mapping[str, Any]) -> float:
+    """``count_score`` counting every blob of an entry's colour, whatever its shape."""
+    terms = []
+    for entry in metadata["include"]:
+        asked = int(entry.get("count", 1))
+        found = sum(blob.colour == entry["color"] for blob in blobs)
+        terms.append(max(0.0, 1.0 - abs(found - asked) / asked))
+    return sum(terms) / len(terms) if terms else 0.0
+
+
+def _centre(blob: Detection) -> tuple[float, float]:
+    x1, y1, x2, y2 = blob.box
+    return (x1 + x2) / 2, (y1 + y2) / 2
+
+
+def _relation_holds(a: Detection, b: Detection, relation: str) -> bool:
+    """Whether blob ``a`` is ``relation`` blob ``b``: along the relation's axis, mostly."""
+    (ax, ay), (bx, by) = _centre(a), _centre(b)
+    dx, dy = ax - bx, ay - by
+    return {
+        "left of": dx < -abs(dy),
+        "right of": dx > abs(dy),
+        "above": dy < -abs(dx),
+        "below": dy > abs(dx),
+    }[relation]
+
+
+def blob_binding_score(blobs: list[Detection], metadata: Mapping[str, Any]) -> float:
+    """Per include entry: a blob of its colour is there; per position entry: the largest
+    blobs of the two colours stand in the relation. Mean of the terms, in [0, 1]."""
+    entries = metadata["include"]
+    largest: list[Detection | None] = []
+    for entry in entries:
+        mine = [blob for blob in blobs if blob.colour == entry["color"]]
+        largest.append(max(mine, key=lambda blob: int(blob.mask.sum()), default=None))
+    terms = [float(blob is not None) for blob in largest]
+    for entry, blob in zip(entries, largest, strict=True):
+        if "position" in entry:
+            relation, target = entry["position"]
+            other = largest[int(target)]
+            ok = blob is not None and other is not None and _relation_holds(blob, other, relation)
+            terms.append(float(ok))
+    return sum(terms) / len(terms) if terms else 0.0
 
 
 class MiniShapeReward(Reward):
@@ -113,8 +170,11 @@ class MiniShapeReward(Reward):
         return detect_shapes_batch(to_uint8_images(images), **self.detector_options)
 
     @abstractmethod
-    def score_objects(self, objects: Objects, metadata: Mapping[str, Any]) -> float:
-        """The score of one applicable image from its kept detections, by class."""
+    def score_objects(
+        self, objects: Objects, metadata: Mapping[str, Any], blobs: list[Detection]
+    ) -> float:
+        """The score of one applicable image from its kept detections, by class, and
+        every detected colour blob (before the score threshold)."""
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
         scores = nan_scores(len(prompts))
@@ -127,7 +187,7 @@ class MiniShapeReward(Reward):
             validate_metadata(metadata[i])
         for i, detections in zip(todo, self.detect(images[todo]), strict=True):
             objects = select_objects(detections, self.threshold)
-            scores[i] = float(self.score_objects(objects, metadata[i]))
+            scores[i] = float(self.score_objects(objects, metadata[i], detections))
         return scores
 
 
@@ -136,10 +196,12 @@ class MiniCount(MiniShapeReward):
     """Graded count of colour-and-shape-matched objects on counting prompts (training)."""
 
     name = "mini_count"
-    tags = frozenset({"counting"})
+    tags = frozenset({"counting", "general"})
 
-    def score_objects(self, objects: Objects, metadata: Mapping[str, Any]) -> float:
-        return count_score(objects, metadata)
+    def score_objects(
+        self, objects: Objects, metadata: Mapping[str, Any], blobs: list[Detection]
+    ) -> float:
+        return (count_score(objects, metadata) + blob_count_score(blobs, metadata)) / 2
 
 
 @register_reward
@@ -149,7 +211,9 @@ class MiniCountStrict(MiniShapeReward):
     name = "mini_count_strict"
     tags = frozenset({"counting"})
 
-    def score_objects(self, objects: Objects, metadata: Mapping[str, Any]) -> float:
+    def score_objects(
+        self, objects: Objects, metadata: Mapping[str, Any], blobs: list[Detection]
+    ) -> float:
         return float(count_exact(objects, metadata))
 
 
@@ -158,10 +222,12 @@ class MiniBinding(MiniShapeReward):
     """Flow-GRPO's graded GenEval reward on colour-binding and position prompts."""
 
     name = "mini_binding"
-    tags = frozenset({"color_attr", "position"})
+    tags = frozenset({"color_attr", "position", "general"})
 
-    def score_objects(self, objects: Objects, metadata: Mapping[str, Any]) -> float:
-        return partial_score(objects, metadata)
+    def score_objects(
+        self, objects: Objects, metadata: Mapping[str, Any], blobs: list[Detection]
+    ) -> float:
+        return (partial_score(objects, metadata) + blob_binding_score(blobs, metadata)) / 2
 
 
 @register_reward
@@ -171,8 +237,69 @@ class MiniBindingStrict(MiniShapeReward):
     name = "mini_binding_strict"
     tags = frozenset({"color_attr", "position", "counting"})
 
-    def score_objects(self, objects: Objects, metadata: Mapping[str, Any]) -> float:
+    def score_objects(
+        self, objects: Objects, metadata: Mapping[str, Any], blobs: list[Detection]
+    ) -> float:
         return float(strict_correct(objects, metadata))
+
+
+@register_reward
+class MiniOcr(Reward):
+    """Share of the sign word's letters the character-level reader reads right (training).
+
+    Graded where Tesseract (``mini_ocr_strict``, the held-out metric) is all or nothing
+    and reads nothing a weak base model draws: a blurry sign whose first letter is right
+    already scores 1/3.
+    """
+
+    name = "mini_ocr"
+    value_range = (0.0, 1.0)
+
+    def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
+        scores = nan_scores(len(prompts))
+        if metadata is None:
+            return scores
+        targets = [MiniOcrStrict.target(meta) for meta in metadata]
+        todo = [i for i, word in enumerate(targets) if word is not None]
+        if todo:
+            pixels = to_uint8_images(images[todo])
+            for i, image in zip(todo, pixels, strict=True):
+                word = targets[i]
+                read = read_sign_letters(image, word)
+                scores[i] = sum(a == b for a, b in zip(read, word.upper(), strict=True)) / len(word)
+        return scores
+
+
+@register_reward
+class MiniNoise(Reward):
+    """Uniform noise in [0, 1] wherever the reward ``like`` applies (NaN elsewhere).
+
+    The control of a specialist run: the same prompts carry signal-free advantages, so
+    whatever a reward does under this training is drift, not learning. ``seed`` seeds a
+    private generator, advanced once per scored batch.
+    """
+
+    name = "mini_noise"
+    value_range = (0.0, 1.0)
+
+    def __init__(
+        self,
+        like: str,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+        batch_size: int | None = None,
+    ):
+        super().__init__(device, batch_size)
+        from mogradient_diffusion.rewards.registry import make_reward
+
+        self.like = make_reward(like)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
+        blank = torch.zeros(len(prompts), 3, 8, 8)  # applicability needs no pixels
+        applies = ~torch.isnan(self.like.score(blank, prompts, metadata))
+        noise = torch.rand(len(prompts), generator=self.generator)
+        return torch.where(applies, noise, torch.full_like(noise, float("nan")))
 
 
 @register_reward

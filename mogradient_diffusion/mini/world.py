@@ -1,9 +1,11 @@
 """The miniature world: flat scenes of coloured shapes, signs with words, styled backdrops.
 
-Three prompt sources mirror the paper's mixed prompt set: ``general`` (a styled scene
+Four prompt sources mirror the paper's mixed prompt set: ``general`` (a styled scene
 with one object, the PickScore-prompt analogue), ``text`` (a sign showing a quoted
-word, the OCR analogue) and ``compositional`` (counts, colour binding, spatial
-relations, the GenEval analogue, with GenEval-format metadata). Every prompt comes with
+word, the OCR analogue) and the GenEval analogue with GenEval-format metadata, split in
+``counting`` and ``binding`` (colour binding, spatial relations) so that with equal
+source weights each specialist reward gets a quarter of every batch rather than a
+sixth. Every prompt comes with
 a sampler of scenes that satisfy it, which gives the training data of the base model
 and of the learned scorers; rendering is plain PIL at 64 px.
 """
@@ -130,7 +132,7 @@ def compositional_prompts() -> list[MiniPrompt]:
                 prompts.append(
                     MiniPrompt(
                         f"{number} {colour} {noun}",
-                        "compositional",
+                        "counting",
                         {"tag": "counting", "include": [_entry(shape, count, colour)]},
                     )
                 )
@@ -142,7 +144,7 @@ def compositional_prompts() -> list[MiniPrompt]:
             prompts.append(
                 MiniPrompt(
                     f"a {ca} {a} and a {cb} {b}",
-                    "compositional",
+                    "binding",
                     {"tag": "color_attr", "include": [_entry(a, 1, ca), _entry(b, 1, cb)]},
                 )
             )
@@ -150,7 +152,7 @@ def compositional_prompts() -> list[MiniPrompt]:
             prompts.append(
                 MiniPrompt(
                     f"a {ca} {a} {relation} a {cb} {b}",
-                    "compositional",
+                    "binding",
                     {
                         "tag": "position",
                         "include": [
@@ -164,10 +166,13 @@ def compositional_prompts() -> list[MiniPrompt]:
 
 
 def all_prompts() -> dict[str, list[MiniPrompt]]:
+    """Prompts by source (the training sources of the shared recipe)."""
+    compositional = compositional_prompts()
     return {
         "general": general_prompts(),
         "text": text_prompts(),
-        "compositional": compositional_prompts(),
+        "counting": [p for p in compositional if p.source == "counting"],
+        "binding": [p for p in compositional if p.source == "binding"],
     }
 
 

@@ -39,8 +39,9 @@ def test_prompt_files_keep_metadata_and_mix_sources_in_every_prefix(tmp_path):
     tags = [meta["tag"] for meta in held_out.metadata]
     first = {"general" if t == "general" else "text" if t == "text" else "comp" for t in tags[:3]}
     assert first == {"general", "text", "comp"}
-    compositional = load_prompt_file(directory / "compositional.jsonl")
-    assert all("include" in meta for meta in compositional.metadata)
+    for source in ("counting", "binding"):
+        compositional = load_prompt_file(directory / f"{source}.jsonl")
+        assert all("include" in meta for meta in compositional.metadata)
 
 
 def test_full_mode_has_every_row_the_issue_names():

@@ -26,6 +26,8 @@ from mogradient_diffusion.mini.rewards import (
     MiniBindingStrict,
     MiniCount,
     MiniCountStrict,
+    blob_binding_score,
+    blob_count_score,
     count_exact,
     count_score,
 )
@@ -36,14 +38,14 @@ from mogradient_diffusion.mini.vision import (
     detect_shapes_batch,
 )
 from mogradient_diffusion.rewards import make_reward
-from mogradient_diffusion.rewards.geneval_rules import select_objects
+from mogradient_diffusion.rewards.geneval_rules import Detection, select_objects
 
 SHAPE_REWARDS = ("mini_count", "mini_count_strict", "mini_binding", "mini_binding_strict")
 APPLIES = {
     "counting": {"mini_count", "mini_count_strict", "mini_binding_strict"},
     "color_attr": {"mini_binding", "mini_binding_strict"},
     "position": {"mini_binding", "mini_binding_strict"},
-    "general": set(),
+    "general": {"mini_count", "mini_binding"},  # their one-object rules apply there too
     "text": set(),
 }
 needs_tesseract = pytest.mark.skipif(
@@ -70,10 +72,12 @@ def scenes(per_prompt: int = 1, seed: int = 0) -> list[tuple[world.MiniPrompt, w
     return [(p, world.sample_scene(p, rng)) for p in prompts for _ in range(per_prompt)]
 
 
-def score_all(images: list[Image.Image], prompts: list[world.MiniPrompt]) -> dict[str, np.ndarray]:
+def score_all(
+    images: list[Image.Image], prompts: list[world.MiniPrompt], names=SHAPE_REWARDS
+) -> dict[str, np.ndarray]:
     batch = to_tensor(images)
     texts, meta = [p.text for p in prompts], [p.metadata for p in prompts]
-    return {name: make_reward(name)(batch, texts, meta).numpy() for name in SHAPE_REWARDS}
+    return {name: make_reward(name)(batch, texts, meta).numpy() for name in names}
 
 
 def detected(image: Image.Image) -> list[tuple[str, str]]:
@@ -248,11 +252,12 @@ def test_counting_the_wrong_shape_or_colour_finds_nothing():
     wrong_colour = [dataclasses.replace(s, colour=other_colour) for s in scene.shapes]
     images = [world.render(world.Scene(shapes=shapes)) for shapes in (wrong_shape, wrong_colour)]
     scores = score_all(images, [prompt, prompt])
-    assert scores["mini_count"].tolist() == [0.0, 0.0]
+    # the rule term finds nothing; the blob term still counts the right colour's blobs
+    assert scores["mini_count"].tolist() == [0.5, 0.0]
     assert scores["mini_binding_strict"].tolist() == [0.0, 0.0]
 
 
-def test_swapped_colours_fail_binding_and_earn_half_the_graded_score():
+def test_swapped_colours_fail_binding_and_keep_the_blob_term():
     prompt = first(
         "color_attr",
         lambda p: p.metadata["include"][0]["color"] != p.metadata["include"][1]["color"],
@@ -264,8 +269,8 @@ def test_swapped_colours_fail_binding_and_earn_half_the_graded_score():
     )
     scores = score_all([world.render(scene), world.render(swapped)], [prompt, prompt])
     assert scores["mini_binding_strict"].tolist() == [1.0, 0.0]
-    # per entry: count term 1, colour term 0 -> mean 0.5
-    assert scores["mini_binding"].tolist() == pytest.approx([1.0, 0.5])
+    # graded GenEval per entry: count 1, colour 0 -> 0.5; blob term: both colours there -> 1
+    assert scores["mini_binding"].tolist() == pytest.approx([1.0, 0.75])
 
 
 @pytest.mark.parametrize("relation", world.RELATIONS)
@@ -281,8 +286,9 @@ def test_swapped_positions_fail_binding_strict_and_lose_the_position_term(relati
     )
     scores = score_all([world.render(scene), world.render(swapped)], [prompt, prompt])
     assert scores["mini_binding_strict"].tolist() == [1.0, 0.0]
-    # terms: target count 1, colour 1; mover count 1, colour 1, position 0 -> 4 / 5
-    assert scores["mini_binding"].tolist() == pytest.approx([1.0, 0.8])
+    # graded GenEval: target count 1, colour 1; mover count 1, colour 1, position 0 -> 4 / 5;
+    # blob term: both colours 1, relation 0 -> 2 / 3
+    assert scores["mini_binding"].tolist() == pytest.approx([1.0, (0.8 + 2 / 3) / 2])
 
 
 def test_a_blank_image_scores_zero_on_every_applicable_reward():
@@ -341,3 +347,61 @@ def test_ocr_strict_reads_the_sign_words_and_rejects_wrong_or_blank_signs():
     assert scores[len(text) : len(text) + 3].tolist() == [0.0, 0.0, 0.0]
     assert math.isnan(scores[-1])
     assert torch.isnan(reward(to_tensor(images[:1]), ["x"])).all()
+
+
+def test_blob_terms_count_colours_whatever_the_shape_or_score():
+    """A shapeless blob of the asked colour earns the blob terms of the training rewards."""
+    mask = np.zeros((64, 64), dtype=bool)
+    blob = Detection("circle", 0.05, (10.0, 10.0, 20.0, 20.0), mask, "red")  # under 0.3
+    other = Detection("square", 0.9, (40.0, 12.0, 50.0, 22.0), mask, "blue")
+    two_red = {"tag": "counting", "include": [{"class": "square", "count": 2, "color": "red"}]}
+    assert blob_count_score([blob, other], two_red) == 0.5
+    assert blob_count_score([blob, blob, other], two_red) == 1.0
+    left = {
+        "tag": "position",
+        "include": [
+            {"class": "square", "count": 1, "color": "blue"},
+            {"class": "circle", "count": 1, "color": "red", "position": ["left of", 0]},
+        ],
+    }
+    assert blob_binding_score([blob, other], left) == 1.0
+    right = {
+        **left,
+        "include": [left["include"][0], {**left["include"][1], "position": ["right of", 0]}],
+    }
+    assert blob_binding_score([blob, other], right) == pytest.approx(2 / 3)
+    assert blob_binding_score([other], left) == pytest.approx(1 / 3)
+
+
+def test_character_reader_reads_clean_and_blurred_signs_letter_by_letter():
+    from mogradient_diffusion.mini.reader import read_sign_letters
+
+    for word in world.WORDS:
+        clean = world.render(world.Scene(text=word))
+        assert read_sign_letters(np.asarray(clean), word) == word
+        blurred = clean.filter(ImageFilter.GaussianBlur(1.0))
+        assert read_sign_letters(np.asarray(blurred), word) == word
+    other = np.asarray(world.render(world.Scene(text="CAT")))
+    assert read_sign_letters(other, "DOG") == "CAT"  # reads what is there, not the target
+    assert read_sign_letters(np.asarray(world.render(world.Scene())), "CAT") == "   "
+
+
+def test_mini_ocr_is_graded_by_letters_and_nan_off_text_prompts():
+    prompt = world.text_prompts()[0]
+    word = prompt.metadata["text"]
+    wrong_last = word[:-1] + ("Q" if word[-1] != "Q" else "Z")
+    images = [world.render(world.Scene(text=t)) for t in (word, wrong_last, None)]
+    images.append(world.render(world.sample_scene(first("counting"), random.Random(0))))
+    prompts = [prompt, prompt, prompt, first("counting")]
+    scores = score_all(images, prompts, names=("mini_ocr",))["mini_ocr"].tolist()
+    assert scores[:3] == pytest.approx([1.0, 2 / 3, 0.0]) and math.isnan(scores[3])
+
+
+def test_noise_control_applies_where_its_reward_does_and_is_seeded():
+    prompts = [first("counting"), world.general_prompts()[0], world.text_prompts()[0]]
+    images = torch.zeros(3, 3, 64, 64)
+    texts, meta = [p.text for p in prompts], [p.metadata for p in prompts]
+    a = make_reward("mini_noise", like="mini_count", seed=3)(images, texts, meta)
+    b = make_reward("mini_noise", like="mini_count", seed=3)(images, texts, meta)
+    assert torch.equal(torch.isnan(a), torch.tensor([False, False, True]))
+    assert torch.allclose(a, b, equal_nan=True) and ((a[:2] >= 0) & (a[:2] < 1)).all()

@@ -1,0 +1,366 @@
+"""Can each training reward of the miniature be learned? Measurements at the base model.
+
+A group-relative RL method (DiffusionNFT here) learns only from reward differences
+*within* a prompt's group of images. A reward that scores every image of a group alike
+(all 0 on a weak base model, say) gives that group no signal, however many steps run.
+
+``base`` mode samples the shared recipe's groups (``config.yaml``: images per prompt,
+sampler, steps) from the base model for prompts of every source and reports per reward,
+over the samples it applies to: the mean, the share of samples scoring > 0, the
+zero-std group ratio, and the within-group vs between-group standard deviation.
+
+``specialist`` mode trains, per reward, a single-reward specialist and a control trained
+on a pure-noise reward (``mini_noise``, same prompts and applicability, same seed, so the
+same first prompts and noise) with the shared recipe, then evaluates base, specialist and
+control on the held-out prompts the reward applies to with the same evaluation seed, so
+the comparison is paired image by image. Learning shows as specialist > control; drift
+(any training moves every reward a little) shows in the control. Finished steps in
+``--out``/work are reused.
+
+    python -m mogradient_diffusion.mini.learnability base --out benchmarks/results/mini
+    python -m mogradient_diffusion.mini.learnability specialist --rewards mini_count
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from mogradient_diffusion.mini.benchmark import (
+    BASE_MODEL,
+    CONFIG,
+    EVAL_STEPS,
+    TRAIN_REWARDS,
+    write_prompt_files,
+)
+from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH
+from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
+
+HELD_OUT_OF = {  # the strict metric each training reward stands in for
+    "mini_count": "mini_count_strict",
+    "mini_binding": "mini_binding_strict",
+    "mini_ocr": "mini_ocr_strict",
+    "ocr": "mini_ocr_strict",
+}
+SPECIALIST_REWARDS = ("mini_ocr", "mini_count", "mini_binding")
+ZERO_STD = 1e-6
+
+
+def machine() -> str:
+    """CPU model and core count, for the report."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def recipe(config: Path = CONFIG) -> dict[str, Any]:
+    """The shared recipe's rollout section and reward list."""
+    return yaml.safe_load(config.read_text())
+
+
+def group_statistics(scores: np.ndarray) -> dict[str, float]:
+    """Statistics of [groups, images] scores of one reward (NaN rows: not applicable)."""
+    scores = scores[~np.isnan(scores).any(axis=1)]
+    if not len(scores):
+        return {"groups": 0}
+    within = scores.std(axis=1)
+    return {
+        "groups": len(scores),
+        "images": int(scores.size),
+        "mean": float(scores.mean()),
+        "share_positive": float((scores > 0).mean()),
+        "zero_std_group_ratio": float((within < ZERO_STD).mean()),
+        "within_group_std": float(np.sqrt((within**2).mean())),
+        "between_group_std": float(scores.mean(axis=1).std()),
+    }
+
+
+def base_prompts(per_source: int, seed: int) -> list[MiniPrompt]:
+    """``per_source`` training prompts of each source (the prompts RL trains on)."""
+    train, _ = split_prompts(seed=0)
+    rng = random.Random(seed)
+    return [
+        p for prompts in train.values() for p in rng.sample(prompts, min(per_source, len(prompts)))
+    ]
+
+
+def measure_base(
+    model: Path, rewards: list[str], per_source: int, seed: int, config: Path = CONFIG
+) -> dict[str, Any]:
+    """Sample the recipe's groups at the base model and score them with every reward."""
+    import mogradient_diffusion.mini  # noqa: F401  (registers the miniature's rewards)
+    from mogradient_diffusion.policy import LoraSpec, Policy
+    from mogradient_diffusion.rewards.registry import make_reward
+    from mogradient_diffusion.rollout import rollout
+
+    settings = recipe(config)["rollout"]
+    prompts = base_prompts(per_source, seed)
+    group = settings["images_per_prompt"]
+    started = time.perf_counter()
+    policy = Policy.load(model, LoraSpec(rank=4, alpha=4))
+    batch = rollout(
+        policy,
+        [p.text for p in prompts],
+        images_per_prompt=group,
+        steps=settings["steps"],
+        resolution=settings["resolution"],
+        sampler=settings["sampler"],
+        guidance_scale=settings["guidance_scale"],
+        generator=torch.Generator().manual_seed(seed),
+        adapter="default",
+        batch_size=64,
+        max_sequence_length=settings["max_sequence_length"],
+    )
+    sampling = time.perf_counter() - started
+    texts = [p.text for p in prompts for _ in range(group)]
+    metadata = [p.metadata for p in prompts for _ in range(group)]
+    report: dict[str, Any] = {
+        "prompts": len(prompts),
+        "images_per_prompt": group,
+        "sampling_seconds": round(sampling, 1),
+        "rewards": {},
+    }
+    for name in rewards:
+        started = time.perf_counter()
+        scores = make_reward(name)(batch.images, texts, metadata).numpy().reshape(-1, group)
+        stats = group_statistics(scores)
+        stats["seconds"] = round(time.perf_counter() - started, 1)
+        report["rewards"][name] = stats
+    return report
+
+
+# --- specialist vs noise control ------------------------------------------------------------
+
+
+def _run(command: list[str], log: Path) -> float:
+    """Run a CLI child with one thread; returns seconds; raises with the log tail on failure."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    started = time.perf_counter()
+    with log.open("w") as out:
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise RuntimeError(f"{' '.join(command[:4])} failed ({log}):\n{tail}")
+    return time.perf_counter() - started
+
+
+def applicable_held_out(reward: str) -> list[MiniPrompt]:
+    """The held-out prompts ``reward`` scores (NaN elsewhere)."""
+    import mogradient_diffusion.mini  # noqa: F401
+    from mogradient_diffusion.rewards.registry import make_reward
+
+    _, held_out = split_prompts(seed=0)
+    prompts = [p for source in held_out.values() for p in source]
+    scorer = make_reward(reward)
+    blank = torch.zeros(len(prompts), 3, 8, 8)
+    scores = scorer(blank, [p.text for p in prompts], [p.metadata for p in prompts])
+    return [p for p, s in zip(prompts, scores.tolist(), strict=True) if not math.isnan(s)]
+
+
+def specialist_check(
+    reward: str, work: Path, model: Path, epochs: int, seed: int, eval_images: int
+) -> dict[str, Any]:
+    """Train ``reward``'s specialist and its noise control, evaluate both and the base."""
+    prompts_dir = write_prompt_files(work / "prompts")
+    held_out = applicable_held_out(reward)
+    eval_file = work / f"heldout_{reward}.jsonl"
+    eval_file.write_text(
+        "".join(json.dumps({"prompt": p.text, **p.metadata}) + "\n" for p in held_out)
+    )
+    metrics = [reward] + ([HELD_OUT_OF[reward]] if reward in HELD_OUT_OF else [])
+    cli = [sys.executable, "-m", "mogradient_diffusion.cli"]
+    runs = {
+        "specialist": f"rewards=[{{name: {reward}}}]",
+        "control": f"rewards=[{{name: mini_noise, options: {{like: {reward}}}}}]",
+    }
+    runs_target = {"specialist": reward, "control": "mini_noise"}
+    result: dict[str, Any] = {"reward": reward, "held_out_prompts": len(held_out), "seconds": {}}
+    rows: dict[str, np.ndarray] = {}
+    for label in ("base", *runs):
+        run_dir = work / reward / label
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if (run_dir / "eval" / "summary.json").is_file():  # finished earlier: reuse
+            rows[label] = _per_prompt_scores(run_dir / "eval", metrics)
+            if label in runs:
+                result[f"{label}_curve"] = _curve(run_dir / "run", runs_target[label])
+            continue
+        if label in runs:
+            target = runs_target[label]
+            command = [
+                *cli, "train", "--config", str(CONFIG), f"model.path={model}",
+                f"prompts.directory={prompts_dir}", f"run.directory={run_dir / 'run'}",
+                f"run.seed={seed}", f"train.epochs={epochs}", runs[label],
+                "strategy.name=single", f"strategy.reward={target}",
+            ]  # fmt: skip
+            result["seconds"][f"train_{label}"] = round(_run(command, run_dir / "train.log"), 1)
+            result[f"{label}_curve"] = _curve(run_dir / "run", target)
+        command = [
+            *cli, "eval", "--model", str(model), "--prompts", str(eval_file),
+            "--metrics", ",".join(metrics), "--reward-module", "mogradient_diffusion.mini",
+            "--out", str(run_dir / "eval"), "--steps", str(EVAL_STEPS), "--seed", "1000",
+            "--images-per-prompt", str(eval_images), "--batch-size", "16", "--device", "cpu",
+            "--max-sequence-length", str(MAX_SEQUENCE_LENGTH), "--label", label, "--quiet",
+        ]  # fmt: skip
+        if label in runs:
+            command += ["--lora", str(run_dir / "run" / "lora")]
+        result["seconds"][f"eval_{label}"] = round(_run(command, run_dir / "eval.log"), 1)
+        rows[label] = _per_prompt_scores(run_dir / "eval", metrics)
+    result["metrics"] = {}
+    for k, metric in enumerate(metrics):
+        seen = ~np.isnan(rows["base"][:, k])  # the prompts this metric applies to
+        base, special, control = (rows[label][seen, k] for label in ("base", *runs))
+        diff = special - control  # paired per prompt
+        headroom = 1.0 - base.mean()
+        result["metrics"][metric] = {
+            "prompts": int(seen.sum()),
+            "base": float(base.mean()),
+            "specialist": float(special.mean()),
+            "control": float(control.mean()),
+            "specialist_minus_control": float(diff.mean()),
+            "paired_standard_error": float(diff.std(ddof=1) / math.sqrt(len(diff))),
+            "gain_over_base_share_of_headroom": float(
+                (special.mean() - base.mean()) / headroom if headroom > 0 else 0.0
+            ),
+        }
+    return result
+
+
+def _per_prompt_scores(eval_dir: Path, metrics: list[str]) -> np.ndarray:
+    """[prompts, metrics] mean score per prompt from an eval's per-sample rows (NaN: n/a)."""
+    rows = [json.loads(line) for line in (eval_dir / "samples.jsonl").read_text().splitlines()]
+    by_prompt: dict[str, list[list[float]]] = {}
+    for row in rows:
+        values = [math.nan if row.get(m) is None else float(row[m]) for m in metrics]
+        by_prompt.setdefault(row["prompt"], []).append(values)
+    means = []
+    for _, values in sorted(by_prompt.items()):
+        scores = np.array(values)
+        seen = ~np.isnan(scores)
+        total = np.where(seen, scores, 0.0).sum(axis=0)
+        means.append(np.where(seen.any(axis=0), total / np.maximum(seen.sum(axis=0), 1), math.nan))
+    return np.array(means)
+
+
+def _curve(run_dir: Path, reward: str) -> list[float]:
+    """The trained reward's mean per epoch on the training rollouts (``metrics.jsonl``)."""
+    key = f"reward/{reward}/mean"
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [round(float(r[key]), 4) for r in map(json.loads, lines) if key in r]
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The learnability tables of a report (base statistics, then specialist checks)."""
+    lines = [
+        "# Learnability of the miniature's rewards",
+        "",
+        f"Machine: {report['machine']}. Written by "
+        "`python -m mogradient_diffusion.mini.learnability`.",
+        "",
+    ]
+    for key, part in report.get("base", {}).items():
+        lines += [
+            f"## At the base model: {key}",
+            "",
+            f"{part['prompts']} training prompts x {part['images_per_prompt']} images "
+            f"(the recipe's groups); sampling took {part['sampling_seconds']} s. Targets for "
+            "the specialist rewards: > 0 on 25-75% of samples, zero-std groups < 30%.",
+            "",
+            "| reward | groups | mean | share > 0 | zero-std groups | within-group std "
+            "| between-group std |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, s in part["rewards"].items():
+            if not s.get("groups"):
+                lines.append(f"| {name} | 0 | | | | | |")
+                continue
+            lines.append(
+                f"| {name} | {s['groups']} | {s['mean']:.3f} | {s['share_positive']:.0%} "
+                f"| {s['zero_std_group_ratio']:.0%} | {s['within_group_std']:.3f} "
+                f"| {s['between_group_std']:.3f} |"
+            )
+        lines.append("")
+    checks = report.get("specialist", {})
+    if checks:
+        lines += [
+            "## Specialist vs pure-noise control (1 seed, paired on held-out prompts)",
+            "",
+            "| reward | metric | base | specialist | control | specialist - control "
+            "(paired s.e.) | gain / headroom |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for reward, check in checks.items():
+            for metric, m in check["metrics"].items():
+                lines.append(
+                    f"| {reward} | {metric} | {m['base']:.3f} | {m['specialist']:.3f} "
+                    f"| {m['control']:.3f} | {m['specialist_minus_control']:+.3f} "
+                    f"({m['paired_standard_error']:.3f}) "
+                    f"| {m['gain_over_base_share_of_headroom']:+.0%} |"
+                )
+        lines.append("")
+    for note in report.get("notes", []):
+        lines.append(note)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("base", "specialist"))
+    parser.add_argument("--model", type=Path, default=BASE_MODEL)
+    parser.add_argument("--out", type=Path, default=Path("results/learnability"))
+    parser.add_argument("--label", default="shipped", help="key of this measurement")
+    parser.add_argument("--rewards", default=",".join(TRAIN_REWARDS))
+    parser.add_argument("--prompts-per-source", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--eval-images", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rewards = args.rewards.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "learnability.json"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    report["machine"] = machine()
+    started = time.perf_counter()
+    if args.mode == "base":
+        part = measure_base(args.model, rewards, args.prompts_per_source, args.seed)
+        part["seconds"] = round(time.perf_counter() - started, 1)
+        report.setdefault("base", {})[args.label] = part
+    else:
+        for reward in rewards:
+            work = args.out / "work"
+            check = specialist_check(
+                reward, work, args.model, args.epochs, args.seed, args.eval_images
+            )
+            check["epochs"] = args.epochs
+            report.setdefault("specialist", {})[reward] = check
+            path.write_text(json.dumps(report, indent=1) + "\n")
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "learnability.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
