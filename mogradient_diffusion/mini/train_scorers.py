@@ -227,7 +227,7 @@ def make_images(
 
 
 def flat_prompts() -> list[MiniPrompt]:
-    """Every world prompt, all three sources: the scorers must cover any of them."""
+    """Every world prompt of every source: the scorers must cover any of them."""
     return [prompt for prompts in world.all_prompts().values() for prompt in prompts]
 
 
