@@ -33,16 +33,23 @@ class Amortizer:
     """Schedule full solves (every step during warm-up, then every ``period`` steps) and cache.
 
     After each successful full solve the raw-gradient weights are folded into an EMA
-    (``rho``; 0 disables smoothing) and the smoothed weights are applied on that step
-    and on the cached steps that follow. A full solve that cannot produce a fresh
-    solution (no usable gradient, all-zero weights, solver error) keeps the cache and
-    says so; a solve
-    with a single usable objective applies that objective alone for the step but does
-    not overwrite the cache.
+    (``rho``; 0 disables smoothing). As in MARBLE's published pseudocode, the solve step
+    applies its fresh solution (so its update conflicts with no objective: MGDA's
+    min-norm guarantee) and the smoothed weights serve the cached steps that follow;
+    ``smooth_solve_steps=True`` applies the smoothed weights on solve steps too (an
+    ablation, and this package's behaviour before). A full solve that cannot produce a
+    fresh solution (no usable gradient, all-zero weights, solver error) keeps the cache
+    and says so; a solve with a single usable objective applies that objective alone for
+    the step but does not overwrite the cache.
     """
 
     def __init__(
-        self, harmonizer: Harmonizer, period: int = 10, warmup_steps: int = 0, rho: float = 0.7
+        self,
+        harmonizer: Harmonizer,
+        period: int = 10,
+        warmup_steps: int = 0,
+        rho: float = 0.7,
+        smooth_solve_steps: bool = False,
     ) -> None:
         if period < 1:
             raise ValueError(f"period must be >= 1 (1 = solve every step), got {period}")
@@ -52,8 +59,14 @@ class Amortizer:
         self.period = int(period)
         self.warmup_steps = int(warmup_steps)
         self.ema = WeightEMA(rho)
+        self.smooth_solve_steps = bool(smooth_solve_steps)
         self.step = 0
         self._steps_since_solve: int | None = None
+
+    @property
+    def steps_since_solve(self) -> int | None:
+        """Cached steps since the last fresh solve (0 on a solve step; None before any)."""
+        return self._steps_since_solve
 
     def needs_full_solve(self) -> bool:
         """Whether the coming step must compute per-objective gradients."""
@@ -78,11 +91,15 @@ class Amortizer:
         if harmonization.fallback == "single_objective":
             logger.info("full solve had a single usable objective; cache kept")
             return AmortizedStep(harmonization.weights, True, harmonization, "single_objective")
-        weights = self.ema.update(harmonization.weights)
+        smoothed = self.ema.update(harmonization.weights)
+        if not self.smooth_solve_steps:
+            return AmortizedStep(
+                harmonization.weights.clone(), True, harmonization, harmonization.fallback
+            )
         # Smoothing must not put weight back on a gradient that is zero or NaN this step.
         diagonal = torch.diagonal(harmonization.gram).cpu()
-        weights[~(torch.isfinite(diagonal) & (diagonal > 0))] = 0.0
-        return AmortizedStep(weights, True, harmonization, harmonization.fallback)
+        smoothed[~(torch.isfinite(diagonal) & (diagonal > 0))] = 0.0
+        return AmortizedStep(smoothed, True, harmonization, harmonization.fallback)
 
     def cached_step(self) -> AmortizedStep:
         """Weights for a step without per-objective gradients."""

@@ -74,13 +74,18 @@ class CombinableLoss:
         return self.coefficients.to(device=self.terms.device, dtype=self.terms.dtype)
 
 
-def masked_mean_coefficients(per_sample: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def masked_mean_coefficients(
+    per_sample: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """Coefficients that average over each objective's applicable samples only.
 
     ``per_sample`` is K x J x B (e.g. r_ki and 1 - r_ki for the two branches), ``valid``
     is K x B (False where the objective does not apply, e.g. a NaN reward). Returns
-    C[k, j, i] = valid_ki / n_valid_k * per_sample[k, j, i], with exact zeros (not NaN)
-    for invalid samples and for objectives without any valid sample.
+    C[k, j, i] = valid_ki / n_k * per_sample[k, j, i], with exact zeros (not NaN) for
+    invalid samples and for objectives without any valid sample. n_k is the number of
+    valid samples here, or ``counts[k]`` when these B samples are one piece of a larger
+    batch (gradient accumulation): then the pieces' losses add up to that batch's mean,
+    and a lone applicable sample in a piece does not get its objective's whole weight.
     """
     if valid.shape != (per_sample.shape[0], per_sample.shape[2]):
         raise ValueError(
@@ -88,7 +93,14 @@ def masked_mean_coefficients(per_sample: torch.Tensor, valid: torch.Tensor) -> t
             f"got {tuple(valid.shape)}"
         )
     valid = valid.to(torch.bool)
-    counts = valid.sum(dim=1, keepdim=True).clamp_min(1).to(per_sample.dtype)
+    if counts is None:
+        counts = valid.sum(dim=1)
+    elif counts.shape != (valid.shape[0],) or bool((counts < valid.sum(dim=1)).any()):
+        raise ValueError(
+            f"counts must have shape (K,) = ({valid.shape[0]},) and be at least the valid "
+            f"samples of this piece {valid.sum(dim=1).tolist()}, got {counts.tolist()}"
+        )
+    counts = counts.to(device=per_sample.device).reshape(-1, 1).clamp_min(1).to(per_sample.dtype)
     scale = valid.to(per_sample.dtype) / counts
     safe = torch.where(valid[:, None, :], per_sample, torch.zeros_like(per_sample))
     return (safe * scale[:, None, :]).detach()

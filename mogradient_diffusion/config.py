@@ -124,6 +124,8 @@ class StrategyConfig:
     period: int | None = None  # full solve every N optimizer steps (1 = every step)
     warmup_steps: int | None = None
     rho: float | None = None  # EMA of cached weights (0 = none)
+    # Ablation: solve steps apply the EMA-smoothed weights, not the fresh solution.
+    smooth_solve_steps: bool | None = None
     normalize: bool | None = None  # MGDA normalize-and-rescale (False: plain MGDA ablation)
     fixed_alpha: bool | None = None  # ablation: equal alpha, no solve
     dropout_probability: float | None = None  # reward_dropout; default 0.3
@@ -162,7 +164,7 @@ class TrainingConfig:
 
 
 STRATEGIES = ("marble", "weighted_sum", "sequential", "single", "reward_dropout", "pcgrad")
-_AMORTIZED = ("period", "warmup_steps", "rho")
+_AMORTIZED = ("period", "warmup_steps", "rho", "smooth_solve_steps")
 # The StrategyConfig fields each strategy reads; any other harmonizer name reads
 # HARMONIZER_OPTIONS. Setting a field the chosen strategy ignores is an error.
 STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -189,7 +191,12 @@ TINY_PRESET: dict[str, Any] = {
         "max_sequence_length": 32,
     },
     "train": {"epochs": 3, "batch_size": 4, "timestep_fraction": 0.5, "learning_rate": 1e-3},
-    "rewards": [{"name": "color_match"}, {"name": "jpeg_incompressibility"}],
+    # min_share 0.1 (not 0.03): on the untrained tiny model's images the colours then
+    # differ within a group, so color_match gives some signal, not all-0 or all-1 groups.
+    "rewards": [
+        {"name": "color_match", "options": {"min_share": 0.1}},
+        {"name": "jpeg_incompressibility"},
+    ],
     "strategy": {"name": "marble", "period": 2},
     "run": {"directory": "runs/tiny", "checkpoint_every": 1},
 }

@@ -156,12 +156,16 @@ def nft_loss(
     advantages: torch.Tensor,
     config: NFTConfig,
     v_reference: torch.Tensor | None = None,
+    valid_counts: torch.Tensor | None = None,
 ) -> CombinableLoss:
     """The K per-reward NFT losses of one batch, as one CombinableLoss.
 
     ``advantages`` is (B, K) with NaN where reward k does not apply to sample i. Objective
     k's loss is the mean over its valid samples of r_ki P_i + (1 - r_ki) N_i; an objective
-    without valid samples has loss and gradient zero. With ``v_reference`` the KL penalty
+    without valid samples has loss and gradient zero. When the batch is one micro-batch
+    of an optimizer step, ``valid_counts`` (K,) holds each reward's valid samples in the
+    whole step, so the micro-batches' losses add up to the step's mean (as the reference
+    averages over its batch). With ``v_reference`` the KL penalty
     kl_coefficient * mean((v_theta - v_reference)^2) goes in ``extra``.
     """
     positive, negative = nft_branch_errors(v_theta, v_old, x_t, x0, sigmas, config)
@@ -174,7 +178,7 @@ def nft_loss(
     advantages = advantages.detach().to(device=positive.device, dtype=positive.dtype)
     ratios = nft_ratios(advantages, config.a_max).T
     coefficients = masked_mean_coefficients(
-        torch.stack((ratios, 1 - ratios), dim=1), ~torch.isnan(ratios)
+        torch.stack((ratios, 1 - ratios), dim=1), ~torch.isnan(ratios), valid_counts
     )
     extra = None
     if v_reference is not None:

@@ -145,4 +145,10 @@ def _amortizer(
     """Period and rho as configured, each unset one from the strategy's ``defaults``."""
     period = defaults[0] if config.period is None else config.period
     rho = defaults[1] if config.rho is None else config.rho
-    return Amortizer(harmonizer, period=period, warmup_steps=config.warmup_steps or 0, rho=rho)
+    return Amortizer(
+        harmonizer,
+        period=period,
+        warmup_steps=config.warmup_steps or 0,
+        rho=rho,
+        smooth_solve_steps=bool(config.smooth_solve_steps),
+    )

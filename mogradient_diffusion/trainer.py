@@ -25,7 +25,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from mogradient import combinable_gradients, conflict_diagnostics, flat_gradient
+from mogradient import MGDA, combinable_gradients, conflict_diagnostics, flat_gradient
 from mogradient.harmonizers.base import combine
 from mogradient.objectives import CombinableLoss
 from mogradient_diffusion.advantages import group_advantages
@@ -258,7 +258,13 @@ class Trainer:
     ) -> dict[str, Any]:
         """Accumulate one optimizer step's gradients, harmonize, clip and step."""
         count = group[0].advantages.shape[1]
-        group = self._mask_silent_in_step(group)
+        group, signal = self._mask_silent_in_step(group)
+        if not signal.any():
+            # No objective has an applicable sample with signal: stepping would only let
+            # Adam's momentum replay earlier gradients (and the KL pull alone).
+            self.optimizer_step += 1
+            idle = dict.fromkeys(("time/backward", "time/harmonize", "time/optimizer"), 0.0)
+            return idle | {"skipped": "no reward signal", "solved": 0, "weights": [0.0] * count}
         full = self.strategy.needs_gradients()
         cached = None
         if not full:  # weight-only or cached: every rank applies rank 0's weights
@@ -350,7 +356,7 @@ class Trainer:
         generator = torch.Generator()
         generator.set_state(noise_state)
         probe = [dataclasses.replace(m, advantages=m.reward_advantages) for m in group]
-        probe = self._mask_silent_in_step(probe)
+        probe, _ = self._mask_silent_in_step(probe)
         count = probe[0].advantages.shape[1]
         stack = accumulate_gradients(
             self._loss_stream(probe, generator), self.parameters, None, count, apply_extra=False
@@ -358,40 +364,83 @@ class Trainer:
         stack = self.world.average(stack)
         direction = flat_gradient(self.parameters).float()
         diagnostics = conflict_diagnostics(torch.ones(count), jacobian=stack, direction=direction)
-        return {  # no weight/k: the probe's unit weights only set the round-off tolerance
+        record = {  # no weight/k: the probe's unit weights only set the round-off tolerance
             f"harmonize/{k}": v
             for k, v in diagnostics.items()
             if not isinstance(v, list) and not k.startswith("weight/")
         }
+        return record | self._staleness(stack, direction)
 
-    def _mask_silent_in_step(self, group: list[MicroBatch]) -> list[MicroBatch]:
-        """Per step, as per epoch: objectives with no nonzero advantage on any rank sit out."""
+    def _staleness(self, stack: torch.Tensor, direction: torch.Tensor) -> dict[str, float]:
+        """How far a cached MARBLE step is from what a fresh solve would apply now.
+
+        Only for MGDA (stateless, so solving here does not change the run): cos between
+        the applied update and the fresh direction, and the fresh update's worst cosine.
+        """
+        amortizer = self.strategy.amortizer
+        if self.strategy.scalar_weights is not None or not isinstance(amortizer.harmonizer, MGDA):
+            return {}
+        fresh = amortizer.harmonizer(stack)
+        if fresh.direction is None or not fresh.weights.any():
+            return {}
+        fresh_diagnostics = conflict_diagnostics(fresh.weights, jacobian=stack)
+        cosine = torch.nn.functional.cosine_similarity(
+            direction.double(), fresh.direction.double(), dim=0
+        )
+        return {
+            "stale/steps_since_solve": float(amortizer.steps_since_solve or 0),
+            "stale/cos_to_fresh": float(cosine),
+            "stale/fresh_cos_min": float(fresh_diagnostics["cos_min"]),
+        }
+
+    def _mask_silent_in_step(
+        self, group: list[MicroBatch]
+    ) -> tuple[list[MicroBatch], torch.Tensor]:
+        """Per step, as per epoch: objectives with no nonzero advantage on any rank sit out.
+
+        Returns the masked group and which objectives have signal (the same on every rank).
+        """
         rows = torch.cat([micro.advantages for micro in group])
         signal = (rows.nan_to_num(0.0) != 0).any(dim=0).to(torch.float32).to(self.world.device)
         signal = self.world.average(signal).cpu() > 0
         if signal.all():
-            return group
+            return group, signal
         masked = []
         for micro in group:
             advantages = micro.advantages.clone()
             advantages[:, ~signal] = float("nan")
             masked.append(dataclasses.replace(micro, advantages=advantages))
-        return masked
+        return masked, signal
 
     def _loss_stream(self, group: list[MicroBatch], generator: torch.Generator):
-        """Yield (scale, CombinableLoss) for every micro-batch x training timestep."""
+        """Yield (scale, CombinableLoss) for every micro-batch x training timestep.
+
+        Each reward's loss is its mean over the step's applicable samples (not a mean of
+        micro-batch means) and the KL term the step's mean, so the step's gradient does
+        not depend on how it is cut into micro-batches; timesteps are averaged.
+        """
         sigmas = self._sigmas
-        passes = sum(micro.sigma_order.shape[1] for micro in group)
+        valid_counts = sum((~torch.isnan(micro.advantages)).sum(dim=0) for micro in group)
+        total_rows = sum(len(micro.latents) for micro in group)
         for micro in group:
-            for column in range(micro.sigma_order.shape[1]):
+            columns = micro.sigma_order.shape[1]
+            share = len(micro.latents) / total_rows
+            for column in range(columns):
                 sigma = sigmas[micro.sigma_order[:, column]].to(micro.latents)
                 noise = torch.randn(micro.latents.shape, generator=generator).to(micro.latents)
                 shaped = sigma.view(-1, *([1] * (micro.latents.ndim - 1)))
                 noisy = (1 - shaped) * micro.latents + shaped * noise
-                yield 1.0 / passes, self._nft_loss(micro, noisy, sigma)
+                loss = self._nft_loss(micro, noisy, sigma, valid_counts)
+                if loss.extra is not None:
+                    loss = dataclasses.replace(loss, extra=loss.extra * share)
+                yield 1.0 / columns, loss
 
     def _nft_loss(
-        self, micro: MicroBatch, noisy: torch.Tensor, sigma: torch.Tensor
+        self,
+        micro: MicroBatch,
+        noisy: torch.Tensor,
+        sigma: torch.Tensor,
+        valid_counts: torch.Tensor,
     ) -> CombinableLoss:
         v_old = self.policy.velocity(noisy, sigma, micro.embeds, adapter="old")
         v_reference = None
@@ -407,6 +456,7 @@ class Trainer:
             micro.advantages,
             self.nft,
             v_reference=v_reference,
+            valid_counts=valid_counts,
         )
 
     def _micro_batch(

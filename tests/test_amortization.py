@@ -136,8 +136,10 @@ def test_cached_steps_reuse_smoothed_weights() -> None:
     torch.testing.assert_close(amortizer.cached_step().weights, first.weights)
     amortizer.harmonizer = FixedWeights([2.0, 0.0])
     second = amortizer.full_step(gram=torch.eye(2))
+    torch.testing.assert_close(second.weights, torch.tensor([2.0, 0.0], dtype=torch.float64))
     # 0.7 * [1, 1] + 0.3 * [2, 0] = [1.3, 0.7], rescaled to the new total 2: unchanged.
-    torch.testing.assert_close(second.weights, torch.tensor([1.3, 0.7], dtype=torch.float64))
+    cached = amortizer.cached_step().weights
+    torch.testing.assert_close(cached, torch.tensor([1.3, 0.7], dtype=torch.float64))
 
 
 def test_smoothing_never_revives_a_nan_gradient() -> None:
@@ -201,3 +203,24 @@ def test_state_round_trip() -> None:
     restored.load_state_dict(amortizer.state_dict())
     assert restored.needs_full_solve() == amortizer.needs_full_solve()
     torch.testing.assert_close(restored.cached_step().weights, amortizer.cached_step().weights)
+
+
+def test_solve_steps_apply_the_fresh_solution_and_cached_steps_the_smoothed_one() -> None:
+    """MARBLE's published pseudocode: alpha* on the solve step, the EMA between solves.
+    The fresh MGDA direction conflicts with no objective; the smoothed one may."""
+    generator = torch.Generator().manual_seed(3)
+    amortizer = Amortizer(MGDA(), period=2, rho=0.7)
+    first = torch.randn(3, 20, generator=generator, dtype=torch.float64)
+    amortizer.full_step(first)
+    amortizer.cached_step()
+    second = torch.randn(3, 20, generator=generator, dtype=torch.float64)
+    step = amortizer.full_step(second)
+    fresh = MGDA()(second)
+    torch.testing.assert_close(step.weights, fresh.weights)
+    assert (second @ fresh.direction).min() >= -1e-12 * second.norm(dim=1).max() ** 2
+    smoothed = amortizer.cached_step().weights
+    assert not torch.allclose(smoothed, fresh.weights)
+    ablation = Amortizer(MGDA(), period=2, rho=0.7, smooth_solve_steps=True)
+    ablation.full_step(first)
+    ablation.cached_step()
+    torch.testing.assert_close(ablation.full_step(second).weights, smoothed)

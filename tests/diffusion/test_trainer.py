@@ -145,7 +145,54 @@ def test_every_strategy_trains(tmp_path: Path, overrides: list[str]) -> None:
     for record in records:
         for step in record["optimizer_steps"]:
             assert all(math.isfinite(w) for w in step["weights"])
-            assert math.isfinite(step["grad_norm"])
+            if step.get("skipped") != "no reward signal":
+                assert math.isfinite(step["grad_norm"])
+
+
+def test_marble_solve_steps_conflict_with_no_reward(tmp_path: Path) -> None:
+    """Fresh MGDA weights on solve steps (the published pseudocode): min_k cos(d, g_k) >= 0."""
+    records = read_metrics(_run(tmp_path, "train.epochs=3", "strategy.period=1"))
+    solved = [
+        step
+        for record in records
+        for step in record["optimizer_steps"]
+        if step["solved"] and step["fallback"] is None
+    ]
+    assert solved
+    assert all(step["harmonize/cos_min"] >= -1e-6 for step in solved)
+
+
+def test_a_step_without_reward_signal_leaves_the_weights_alone(tmp_path: Path) -> None:
+    """No objective has an applicable sample: no optimizer step, so Adam's momentum from
+    the previous step is not replayed."""
+    config = load_config(preset="tiny", overrides=[f"run.directory={tmp_path}", "run.quiet=true"])
+    trainer = Trainer(config, World(rank=0, size=1, device=torch.device("cpu")))
+    from mogradient_diffusion.rollout import rollout
+
+    drawn = trainer._epoch_prompts()
+    batch = rollout(
+        trainer.policy,
+        [item.prompt for item in drawn],
+        images_per_prompt=4,
+        steps=4,
+        resolution=64,
+        generator=torch.Generator().manual_seed(0),
+        max_sequence_length=32,
+    )
+    trainer._rollout_sigmas = batch.sigmas
+    generator = torch.Generator().manual_seed(1)
+    signal = torch.tensor([[1.0, -1.0], [-1.0, 1.0]]).repeat(4, 1)
+    trainer.optimizer_step_on(
+        [trainer._micro_batch(batch, signal, torch.arange(8), generator)], generator
+    )
+    before = [parameter.detach().clone() for parameter in trainer.parameters]
+    silent = torch.full((8, 2), float("nan"))
+    record = trainer.optimizer_step_on(
+        [trainer._micro_batch(batch, silent, torch.arange(8), generator)], generator
+    )
+    assert record["skipped"] == "no reward signal"
+    for old, new in zip(before, trainer.parameters, strict=True):
+        assert torch.equal(old, new)
 
 
 def test_rewards_overlapped_with_sampling_give_the_same_run(tmp_path: Path) -> None:
