@@ -22,12 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from mogradient.external_qp import solve_with_cvxpy, solve_with_qpsolvers
+from mogradient.span import coordinates_from_cosines
 
 _TOLERANCE = 1e-13
 # A violated constraint must exceed this many units of round-off in A^T y (|y| <= |point|).
 _VIOLATION_TOLERANCE = 64 * np.finfo(float).eps
-# Eigenvalues of the cosine matrix below this x K x the largest are round-off.
-_EIGENVALUE_FLOOR = 4 * np.finfo(float).eps
 # Passive columns whose smallest singular value is below this of the largest are dependent.
 _RANK_TOLERANCE = 1e-10
 # Weights v >= lower are returned unless they exceed the min-norm ones this many times.
@@ -103,23 +102,24 @@ def near_dependent(gram: np.ndarray) -> bool:
     return bool(eigenvalues[0] < _REFINE_BELOW * eigenvalues[-1])
 
 
-def project_on_stack(stack: np.ndarray, lower: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-    """The dual-cone projection of J^T lower computed on the stack J itself (float64).
+def project_in_span(
+    coordinates: np.ndarray, norms: np.ndarray, lower: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """The dual-cone projection of J^T lower, in exact span coordinates of the stack.
 
-    Same active-set method as the Gram path, on the unit rows of J instead of a Gram
-    square root, so near-dependent gradients lose nothing. Returns weights v >= lower
-    (possibly large: they cancel), the projection d = J^T v computed without that
-    cancellation, and the KKT residual. Costs SVDs of D x |active| matrices.
+    ``coordinates`` (r x K) and ``norms`` come from
+    :func:`mogradient.span.coordinates_from_stack` (unit rows^T = Q R): the same
+    active-set method as the Gram path, on R instead of a Gram square root, so
+    near-dependent gradients lose nothing. Returns weights v >= lower (possibly large:
+    they cancel), the projection's coordinates y (d = Q y, formed without that
+    cancellation), and the KKT residual.
     """
-    rows = np.asarray(stack, dtype=np.float64)
-    norms = np.linalg.norm(rows, axis=1)
-    columns = (rows / norms[:, None]).T
     target = np.asarray(lower, dtype=np.float64) * norms
-    point = columns @ target
-    multipliers, projection = _nonnegative_least_squares(columns, point)
+    point = coordinates @ target
+    multipliers, projection = _nonnegative_least_squares(coordinates, point)
     if float(np.linalg.norm(point)) == 0.0:
-        return lower.copy(), projection, 0.0
-    residual = _projection_residual(columns, point, multipliers, projection)
+        return np.asarray(lower, dtype=np.float64).copy(), projection, 0.0
+    residual = _projection_residual(coordinates, point, multipliers, projection)
     return (target + multipliers) / norms, projection, residual
 
 
@@ -161,7 +161,7 @@ def _solve_builtin(gram: np.ndarray, lower: np.ndarray) -> tuple[np.ndarray, flo
     weights = lower.copy()
     if not np.any(rows):
         return weights, 0.0
-    factor = _span_factor(gram[np.ix_(rows, rows)] / np.outer(norms[rows], norms[rows]))
+    factor = coordinates_from_cosines(gram[np.ix_(rows, rows)] / np.outer(norms[rows], norms[rows]))
     target = lower[rows] * norms[rows]
     point = factor @ target
     multipliers, projection = _nonnegative_least_squares(factor, point)
@@ -200,19 +200,6 @@ def _projection_residual(
     stationarity = float(np.linalg.norm(point + factor @ multipliers - projection)) / magnitude
     complementarity = float(np.max(np.abs(multipliers * inner))) / (size * magnitude)
     return max(dual, stationarity, complementarity, 0.0)
-
-
-def _span_factor(cosines: np.ndarray) -> np.ndarray:
-    """A (r x K) with A^T A = cosines, dropping eigenvalues at round-off level.
-
-    Entries of a float64 unit-diagonal Gram carry relative error ~eps, so eigenvalues
-    below ~K eps of the largest are indistinguishable from zero: those directions are
-    dropped, which makes numerically dependent gradients exactly dependent.
-    """
-    eigenvalues, eigenvectors = np.linalg.eigh(0.5 * (cosines + cosines.T))
-    floor = _EIGENVALUE_FLOOR * len(cosines) * max(float(eigenvalues[-1]), 0.0)
-    keep = eigenvalues > floor
-    return np.sqrt(eigenvalues[keep])[:, None] * eigenvectors[:, keep].T
 
 
 def _nonnegative_least_squares(

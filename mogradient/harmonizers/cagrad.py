@@ -10,6 +10,7 @@ import torch
 
 from mogradient.harmonizers.base import Harmonizer, Weighting
 from mogradient.qp_cone import near_dependent
+from mogradient.span import coordinates_from_cosines, coordinates_from_stack
 
 _MAX_ITERATIONS = 200
 _EPS = float(np.finfo(np.float64).eps)
@@ -17,7 +18,6 @@ _EPS = float(np.finfo(np.float64).eps)
 # terms, |mu| + ||g_k|| (||g0|| + s): relative to each gradient's own size at any spread.
 _TOLERANCE = 1e-12
 # Eigenvalues of the cosine matrix below this x K x the largest are round-off.
-_EIGENVALUE_FLOOR = 4 * _EPS
 # Unit-scaled differences of support points whose singular values are below this of the
 # largest are dependent (the support is affinely dependent in that direction).
 _RANK_TOLERANCE = 1e-10
@@ -63,7 +63,7 @@ class CAGrad(Harmonizer):
         sizes = np.sqrt(np.diag(gram.numpy()))
         cosines = gram.numpy() / sizes[:, None] / sizes[None, :]
         np.fill_diagonal(cosines, 1.0)
-        return self._weighting(_span_coordinates(cosines), sizes / sizes.max()).weighting
+        return self._weighting(coordinates_from_cosines(cosines), sizes / sizes.max()).weighting
 
     def refine(
         self,
@@ -75,24 +75,17 @@ class CAGrad(Harmonizer):
         """Re-solve on the stack's QR coordinates when the Gram says near-dependent."""
         if not near_dependent(gram.numpy()):
             return None
-        rows = jacobian[objectives.to(jacobian.device)].cpu().numpy().astype(np.float64)
-        # Norms as (largest entry) x (norm of the row divided by it): no under/overflow.
-        peaks = np.abs(rows).max(axis=1)
-        units = rows / peaks[:, None]
-        sizes = np.linalg.norm(units, axis=1)
-        units /= sizes[:, None]
-        sizes *= peaks
-        basis, coordinates = np.linalg.qr(units.T)
+        basis, coordinates, sizes = coordinates_from_stack(jacobian[objectives.to(jacobian.device)])
         solved = self._weighting(coordinates, sizes / sizes.max())
         if solved.direction is None:
             return solved.weighting
-        direction = float(sizes.max()) * (basis @ solved.direction)
+        direction = float(sizes.max()) * (basis @ torch.from_numpy(solved.direction))
         return Weighting(
             solved.weighting.weights,
             solved.weighting.kkt_residual,
             solved.weighting.fallback,
             {**solved.weighting.extras, "refined_on_stack": True},
-            torch.from_numpy(direction).to(dtype=jacobian.dtype, device=jacobian.device),
+            direction.to(dtype=jacobian.dtype, device=jacobian.device),
         )
 
     def _weighting(self, coordinates: np.ndarray, norms: np.ndarray) -> _Solved:
@@ -146,14 +139,6 @@ class _Dual:
     residual: float
     iterations: int
     stationary: bool  # g_w = 0 is optimal: 0 is in the convex hull of the gradients
-
-
-def _span_coordinates(cosines: np.ndarray) -> np.ndarray:
-    """A (r x K) with A^T A = cosines, dropping eigenvalues at round-off level."""
-    eigenvalues, eigenvectors = np.linalg.eigh(0.5 * (cosines + cosines.T))
-    floor = _EIGENVALUE_FLOOR * len(cosines) * max(float(eigenvalues[-1]), 0.0)
-    keep = eigenvalues > floor
-    return np.sqrt(eigenvalues[keep])[:, None] * eigenvectors[:, keep].T
 
 
 def _solve_dual(points: np.ndarray, norms: np.ndarray, mean: np.ndarray, radius: float) -> _Dual:

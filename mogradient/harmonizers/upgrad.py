@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
-from mogradient.qp_cone import near_dependent, project_on_stack, solve_cone_qp
+from mogradient.qp_cone import near_dependent, project_in_span, solve_cone_qp
+from mogradient.span import coordinates_from_stack
 
 
 class UPGrad(Harmonizer):
@@ -21,7 +22,8 @@ class UPGrad(Harmonizer):
     ``reg_eps > 0`` reproduces TorchJD's default projector, which solves the QP on
     G / trace(G) + reg_eps * I (TorchJD uses 1e-4); the default 0 is the exact method.
     With ``refine=True`` (default) and a gradient stack given, near-dependent gradients
-    are re-solved on the stack itself (see :func:`mogradient.qp_cone.project_on_stack`);
+    are re-solved in exact span coordinates from a QR of the stack
+    (:func:`mogradient.span.coordinates_from_stack`, one O(D K^2) factorization);
     ``refine=False`` keeps the Gram-only solve, cheaper for huge D.
     """
 
@@ -84,20 +86,21 @@ def refined_on_stack(
     ``enabled`` and the Gram says the gradients are near-dependent."""
     if not (enabled and near_dependent(gram.numpy())):
         return None
-    rows = jacobian[objectives.to(jacobian.device)].cpu().numpy().astype(np.float64)
+    basis, coordinates, norms = coordinates_from_stack(jacobian[objectives.to(jacobian.device)])
     weights = np.zeros(len(objectives))
-    direction = np.zeros(rows.shape[1])
+    projection = np.zeros(coordinates.shape[0])
     residual = 0.0
     for lower in lowers:
-        projection_weights, projection, projection_residual = project_on_stack(rows, lower)
-        weights += projection_weights
-        direction += projection
-        residual = max(residual, projection_residual)
+        part_weights, part, part_residual = project_in_span(coordinates, norms, lower)
+        weights += part_weights
+        projection += part
+        residual = max(residual, part_residual)
+    direction = basis @ torch.from_numpy(projection).to(basis.device)
     return Weighting(
         torch.from_numpy(weights),
         kkt_residual=residual,
         extras={"refined_on_stack": True},
-        direction=torch.from_numpy(direction).to(dtype=jacobian.dtype, device=jacobian.device),
+        direction=direction.to(dtype=jacobian.dtype, device=jacobian.device),
     )
 
 
