@@ -248,6 +248,21 @@ def test_velocity_form_rejects_t_zero() -> None:
         _loss(data, NFTConfig(form="velocity"))
 
 
+def _piece_losses(data: dict, rows: slice, config: NFTConfig, counts=None) -> torch.Tensor:
+    piece = {key: value[rows] for key, value in data.items()}
+    loss = nft_loss(
+        piece["v_theta"],
+        piece["v_old"],
+        piece["x_t"],
+        piece["x0"],
+        piece["sigmas"],
+        piece["advantages"],
+        config,
+        valid_counts=counts,
+    )
+    return loss.objective_losses()
+
+
 @pytest.mark.parametrize("cuts", [[4, 12], [1, 5, 12], [2, 3, 7, 9, 12]])
 def test_micro_batches_with_whole_batch_counts_sum_to_the_batch_loss(cuts: list[int]) -> None:
     """Gradient accumulation is exact: pieces normalized by the whole batch's valid counts
@@ -257,43 +272,13 @@ def test_micro_batches_with_whole_batch_counts_sum_to_the_batch_loss(cuts: list[
     data = _batch()
     whole = _loss(data, config).objective_losses()
     counts = (~torch.isnan(data["advantages"])).sum(dim=0)
-    pieces = torch.zeros_like(whole)
-    for start, end in zip([0, *cuts[:-1]], cuts, strict=True):
-        piece = {key: value[start:end] for key, value in data.items()}
-        pieces = (
-            pieces
-            + nft_loss(
-                piece["v_theta"],
-                piece["v_old"],
-                piece["x_t"],
-                piece["x0"],
-                piece["sigmas"],
-                piece["advantages"],
-                config,
-                valid_counts=counts,
-            ).objective_losses()
-        )
+    pieces = sum(
+        _piece_losses(data, slice(start, end), config, counts)
+        for start, end in zip([0, *cuts[:-1]], cuts, strict=True)
+    )
     torch.testing.assert_close(pieces, whole, rtol=1e-12, atol=0)
-    # Per-piece means (the old behaviour) weigh a lone sample like a whole piece: different.
-    lone = {key: value[:1] for key, value in data.items()}
-    alone = nft_loss(
-        lone["v_theta"],
-        lone["v_old"],
-        lone["x_t"],
-        lone["x0"],
-        lone["sigmas"],
-        lone["advantages"],
-        config,
-        valid_counts=counts,
-    ).objective_losses()
-    own = nft_loss(
-        lone["v_theta"],
-        lone["v_old"],
-        lone["x_t"],
-        lone["x0"],
-        lone["sigmas"],
-        lone["advantages"],
-        config,
-    ).objective_losses()
-    valid = ~torch.isnan(lone["advantages"][0])
+    # Per-piece means (the old behaviour) weigh a lone sample like a whole piece.
+    alone = _piece_losses(data, slice(0, 1), config, counts)
+    own = _piece_losses(data, slice(0, 1), config)
+    valid = ~torch.isnan(data["advantages"][0])
     torch.testing.assert_close(alone[valid], own[valid] / counts[valid])

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -63,26 +64,31 @@ def test_marble_tiny_run_writes_metrics_plots_and_a_diffusers_lora(tmp_path: Pat
     assert delta.abs().max() > 0  # the trained LoRA is loaded and changes the model
 
 
-def test_full_solve_and_cached_paths_apply_the_same_gradient(tmp_path: Path) -> None:
-    """Inside the trainer: K per-objective gradients combined == one combined backward."""
-    config = load_config(preset="tiny", overrides=[f"run.directory={tmp_path}", "run.quiet=true"])
-    trainer = Trainer(config, World(rank=0, size=1, device=torch.device("cpu")))
-    drawn = trainer._epoch_prompts()
+def _trainer_and_rollout(tmp_path: Path) -> tuple[Trainer, Any]:
+    """A tiny-preset trainer and one rollout of 8 images (2 prompts x 4) to train on."""
     from mogradient_diffusion.rollout import rollout
 
+    config = load_config(preset="tiny", overrides=[f"run.directory={tmp_path}", "run.quiet=true"])
+    trainer = Trainer(config, World(rank=0, size=1, device=torch.device("cpu")))
     batch = rollout(
         trainer.policy,
-        [item.prompt for item in drawn],
+        [item.prompt for item in trainer._epoch_prompts()],
         images_per_prompt=4,
         steps=4,
         resolution=64,
         generator=torch.Generator().manual_seed(0),
         max_sequence_length=32,
     )
+    trainer._rollout_sigmas = batch.sigmas
+    return trainer, batch
+
+
+def test_full_solve_and_cached_paths_apply_the_same_gradient(tmp_path: Path) -> None:
+    """Inside the trainer: K per-objective gradients combined == one combined backward."""
+    trainer, batch = _trainer_and_rollout(tmp_path)
     # Advantages with NaN (not applicable) and clamped entries.
     advantages = torch.tensor([[7.0, -1.0], [float("nan"), 0.5], [-6.0, 2.0], [1.0, float("nan")]])
     advantages = advantages.repeat(2, 1)
-    trainer._rollout_sigmas = batch.sigmas
     torch.manual_seed(0)
     for parameter in trainer.parameters:  # move default away from old: non-trivial branches
         parameter.data.add_(0.05 * torch.randn_like(parameter))
@@ -165,21 +171,7 @@ def test_marble_solve_steps_conflict_with_no_reward(tmp_path: Path) -> None:
 def test_a_step_without_reward_signal_leaves_the_weights_alone(tmp_path: Path) -> None:
     """No objective has an applicable sample: no optimizer step, so Adam's momentum from
     the previous step is not replayed."""
-    config = load_config(preset="tiny", overrides=[f"run.directory={tmp_path}", "run.quiet=true"])
-    trainer = Trainer(config, World(rank=0, size=1, device=torch.device("cpu")))
-    from mogradient_diffusion.rollout import rollout
-
-    drawn = trainer._epoch_prompts()
-    batch = rollout(
-        trainer.policy,
-        [item.prompt for item in drawn],
-        images_per_prompt=4,
-        steps=4,
-        resolution=64,
-        generator=torch.Generator().manual_seed(0),
-        max_sequence_length=32,
-    )
-    trainer._rollout_sigmas = batch.sigmas
+    trainer, batch = _trainer_and_rollout(tmp_path)
     generator = torch.Generator().manual_seed(1)
     signal = torch.tensor([[1.0, -1.0], [-1.0, 1.0]]).repeat(4, 1)
     trainer.optimizer_step_on(
