@@ -39,3 +39,21 @@ def test_clip_tokenizer_keeps_every_known_word_whole() -> None:
     assert {word: parts for word, parts in split.items() if len(parts) != 1} == {}
     assert tokenizer.tokenize("zqx") == ["z", "q", "x</w>"]  # unknown text still spells out
 
+
+def test_every_mini_prompt_fits_the_shipped_text_context() -> None:
+    """No miniature prompt is truncated by the shipped CLIP or T5 tokenizers."""
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    from mogradient_diffusion.mini.benchmark import BASE_MODEL
+    from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH, SPEC
+    from mogradient_diffusion.mini.world import all_prompts
+
+    clip = CLIPTokenizer.from_pretrained(BASE_MODEL / "tokenizer")
+    t5 = T5TokenizerFast.from_pretrained(BASE_MODEL / "tokenizer_3")
+    assert clip.model_max_length == SPEC.clip_max_length
+    for prompt in (p for prompts in all_prompts().values() for p in prompts):
+        clip_ids, t5_ids = clip(prompt.text).input_ids, t5(prompt.text).input_ids
+        assert len(clip_ids) <= SPEC.clip_max_length, prompt.text
+        assert len(t5_ids) <= MAX_SEQUENCE_LENGTH, prompt.text
+        assert clip.unk_token_id not in clip_ids[1:-1] and t5.unk_token_id not in t5_ids
+        assert len(clip_ids) == len(prompt.text.replace('"', ' " ').split()) + 2, prompt.text
