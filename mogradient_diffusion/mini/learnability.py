@@ -177,9 +177,16 @@ def applicable_held_out(reward: str) -> list[MiniPrompt]:
 
 
 def specialist_check(
-    reward: str, work: Path, model: Path, epochs: int, seed: int, eval_images: int
+    reward: str,
+    work: Path,
+    model: Path,
+    epochs: int,
+    seed: int,
+    eval_images: int,
+    overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Train ``reward``'s specialist and its noise control, evaluate both and the base."""
+    """Train ``reward``'s specialist and its noise control (both with the recipe's
+    ``overrides``), evaluate both and the base."""
     prompts_dir = write_prompt_files(work / "prompts")
     held_out = applicable_held_out(reward)
     eval_file = work / f"heldout_{reward}.jsonl"
@@ -203,16 +210,17 @@ def specialist_check(
             if label in runs:
                 result[f"{label}_curve"] = _curve(run_dir / "run", runs_target[label])
             continue
-        if label in runs:
+        if label in runs and not (run_dir / "run" / "lora").is_dir():  # else: trained earlier
             target = runs_target[label]
             command = [
                 *cli, "train", "--config", str(CONFIG), f"model.path={model}",
                 f"prompts.directory={prompts_dir}", f"run.directory={run_dir / 'run'}",
                 f"run.seed={seed}", f"train.epochs={epochs}", runs[label],
-                "strategy.name=single", f"strategy.reward={target}",
+                "strategy.name=single", f"strategy.reward={target}", *overrides,
             ]  # fmt: skip
             result["seconds"][f"train_{label}"] = round(_run(command, run_dir / "train.log"), 1)
-            result[f"{label}_curve"] = _curve(run_dir / "run", target)
+        if label in runs:
+            result[f"{label}_curve"] = _curve(run_dir / "run", runs_target[label])
         command = [
             *cli, "eval", "--model", str(model), "--prompts", str(eval_file),
             "--metrics", ",".join(metrics), "--reward-module", "mogradient_diffusion.mini",
@@ -335,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--eval-images", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--override", action="append", default=[], help="recipe key=value for both runs"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rewards = args.rewards.split(",")
@@ -351,9 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         for reward in rewards:
             work = args.out / "work"
             check = specialist_check(
-                reward, work, args.model, args.epochs, args.seed, args.eval_images
-            )
+                reward, work, args.model, args.epochs, args.seed, args.eval_images,
+                tuple(args.override),
+            )  # fmt: skip
             check["epochs"] = args.epochs
+            check["overrides"] = args.override
+            check["eval_images_per_prompt"] = args.eval_images
             report.setdefault("specialist", {})[reward] = check
             path.write_text(json.dumps(report, indent=1) + "\n")
     path.write_text(json.dumps(report, indent=1) + "\n")
