@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gpu.py"
 STRATEGIES = ("weighted_sum", "marble_amortized", "marble_every_step")
 MODES = ("checkpointing_off", "checkpointing_on")
