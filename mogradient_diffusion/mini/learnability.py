@@ -326,6 +326,20 @@ def markdown(report: dict[str, Any]) -> str:
                     f"({m['paired_standard_error']:.3f}) "
                     f"| {m['gain_over_base_share_of_headroom']:+.0%} |"
                 )
+        lines += [
+            "",
+            "Specialist's own training reward on its rollouts (the curve, mean of 10 epochs):",
+            "",
+            "| run | epochs | first 10 | last 10 | per epoch |",
+            "|---|---|---|---|---|",
+        ]
+        for reward, check in checks.items():
+            curve = check.get("specialist_curve", [])
+            if len(curve) >= 10:
+                lines.append(
+                    f"| {reward} | {len(curve)} | {np.mean(curve[:10]):.3f} "
+                    f"| {np.mean(curve[-10:]):.3f} | {' '.join(f'{v:.2f}' for v in curve)} |"
+                )
         lines.append("")
     for note in report.get("notes", []):
         lines.append(note)
