@@ -49,12 +49,14 @@ def solve_cone_qp(gram: np.ndarray, lower: np.ndarray, backend: str = "builtin")
     """Minimize ``v @ gram @ v`` subject to ``v >= lower``.
 
     ``backend`` is ``"builtin"`` (exact active set, default), ``"cvxpy"`` or
-    ``"qpsolvers:<solver>"``. The built-in solver works on the cosine matrix
-    C = D^-1 G D^-1 (D = diag(||g_k||)) with y = D v >= D lower, an equivalent problem
-    that stays well-conditioned when the gradients' norms differ by many orders of
-    magnitude; the external backends get G / max(diag G) and lower / max|lower|. Results
-    do not depend on overall scales. When ``gram`` is singular ``v`` need not be unique,
-    but ``J^T v`` (the projection) is. Objectives with a zero row keep ``v_k = lower_k``.
+    ``"qpsolvers:<solver>"``. The built-in solver works in the span coordinates of the
+    cosine matrix C = D^-1 G D^-1 (D = diag(||g_k||)), which stays well-conditioned when
+    the gradients' norms differ by many orders of magnitude; the external backends get
+    G / max(diag G) and lower / max|lower|. Results do not depend on overall scales.
+    When ``gram`` is singular ``v`` need not be unique, but ``J^T v`` (the projection) is;
+    the built-in solver returns v >= lower unless every such v cancels (is 1000x larger
+    than the min-norm weights giving the same projection), and then the min-norm weights,
+    which may fall below ``lower``. Objectives with a zero row keep ``v_k = lower_k``.
     """
     gram, lower = _validated(gram, lower)
     gram_scale = float(np.max(np.diag(gram)))
