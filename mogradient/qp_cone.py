@@ -31,6 +31,8 @@ _VIOLATION_TOLERANCE = 64 * np.finfo(float).eps
 _RANK_TOLERANCE = 1e-10
 # Weights v >= lower are returned unless they exceed the min-norm ones this many times.
 _CANCELLATION_LIMIT = 1e3
+# Relative round-off of a residual's norm computed by an orthogonal projection.
+_NORM_ROUND_OFF = 16 * np.finfo(float).eps
 # Below this smallest/largest cosine-matrix eigenvalue, solves are redone on the stack.
 _REFINE_BELOW = 1e-6
 
@@ -257,8 +259,9 @@ def _nonnegative_least_squares(
                 residual = point.copy()
                 break
         before, after = np.linalg.norm(previous[1]), np.linalg.norm(residual)
-        if after > before:
-            # Round-off, not progress: keep the better point and stop.
+        # A constraint violated by v shortens the residual only by ~v^2 (below eps for
+        # v ~ 1e-8) while turning it by ~v: only growth beyond round-off means no progress.
+        if after > before * (1.0 + _NORM_ROUND_OFF):
             multipliers, residual, passive = previous
             break
         if after < before:

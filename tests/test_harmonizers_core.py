@@ -76,15 +76,25 @@ NEAR_PARALLEL = torch.tensor(
 )
 
 
+# Found by `make fuzz`: an opposed pair plus a near-parallel one in 2-D (0 is in the hull).
+OPPOSED_AND_NEAR_PARALLEL = torch.tensor(
+    [[0.0, -8.0], [-9.75, 0.0], [-5.9605e-08, 1.5], [0.0, 1.0]], dtype=torch.float64
+)
+
+
 @given(jacobians(), st.randoms(use_true_random=False))
 @example(NEAR_PARALLEL, random.Random(0))
+@example(OPPOSED_AND_NEAR_PARALLEL, random.Random(1))
 def test_mgda_permutation_permutes_weights(jacobian: torch.Tensor, rng: random.Random) -> None:
     if len(jacobian) < 2:
         return
     order = list(range(len(jacobian)))
     rng.shuffle(order)
     base, permuted = MGDA()(jacobian), MGDA()(jacobian[order])
-    torch.testing.assert_close(permuted.direction, base.direction, atol=1e-7, rtol=1e-6)
+    # The direction is unique, but a solve exact to round-off r in ||d||^2 pins it down
+    # only to ~sqrt(r) ||g||: near-parallel gradients (cos 1 - 1e-15) reach 1e-7 ||g||.
+    scale = float(jacobian.norm(dim=1).max())
+    torch.testing.assert_close(permuted.direction, base.direction, atol=1e-6 * scale, rtol=1e-6)
     # Weights are unique only when the unit gradients are well conditioned: a singular
     # value s of the unit stack lets the Gram's round-off move them by ~eps / s^2.
     singular = torch.linalg.svdvals(jacobian / jacobian.norm(dim=1, keepdim=True))
