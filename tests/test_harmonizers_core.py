@@ -102,16 +102,25 @@ def test_mgda_permutation_permutes_weights(jacobian: torch.Tensor, rng: random.R
         torch.testing.assert_close(permuted.weights, base.weights[order], atol=1e-6, rtol=1e-5)
 
 
+# Found by `make fuzz`: cos 1 - 8e-14, so d's small component is set by round-off.
+NEAR_PARALLEL_PAIR = torch.tensor(
+    [[0.0, 1.0], [1.17802264144743420365e-06, 3.0]], dtype=torch.float64
+)
+
+
 @given(jacobians(), st.floats(1e-3, 1e3))
+@example(NEAR_PARALLEL_PAIR, 17.0)
 def test_mgda_scaling(jacobian: torch.Tensor, factor: float) -> None:
     if len(jacobian) < 2:
         return
+    # Round-off r in ||d||^2 pins d down to ~sqrt(r) ||g|| (near-parallel gradients).
+    floor = 1e-6 * float(jacobian.norm(dim=1).max())
     # Normalize-rescale: direction is homogeneous of degree one in the gradients.
     torch.testing.assert_close(
         MGDA()(factor * jacobian).direction,
         factor * MGDA()(jacobian).direction,
         rtol=1e-6,
-        atol=1e-9 * factor,
+        atol=floor * factor,
     )
     # ...and rescaling single objectives only changes the rescale factor m.
     scales = torch.linspace(0.5, 3.0, len(jacobian), dtype=torch.float64)
@@ -119,7 +128,9 @@ def test_mgda_scaling(jacobian: torch.Tensor, factor: float) -> None:
     base = MGDA()(jacobian)
     norms = jacobian.norm(dim=1)
     ratio = (scales * norms).mean() / norms.mean()
-    torch.testing.assert_close(scaled.direction, ratio * base.direction, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(
+        scaled.direction, ratio * base.direction, rtol=1e-5, atol=floor * float(ratio)
+    )
 
 
 def test_mgda_preferences_and_floor() -> None:
