@@ -27,8 +27,10 @@ from mogradient.span import coordinates_from_cosines
 _TOLERANCE = 1e-13
 # A violated constraint must exceed this many units of round-off in A^T y (|y| <= |point|).
 _VIOLATION_TOLERANCE = 64 * np.finfo(float).eps
-# Passive columns whose smallest singular value is below this of the largest are dependent.
+# Passive columns whose smallest singular value is below this of the largest are dependent
+# (Gram square roots); coordinates from the stack's QR resolve down to the second x K.
 _RANK_TOLERANCE = 1e-10
+_STACK_RANK_TOLERANCE = 64 * np.finfo(float).eps
 # Weights v >= lower are returned unless they exceed the min-norm ones this many times.
 _CANCELLATION_LIMIT = 1e3
 # Relative round-off of a residual's norm computed by an orthogonal projection.
@@ -120,7 +122,10 @@ def project_in_span(
     """
     target = np.asarray(lower, dtype=np.float64) * norms
     point = coordinates @ target
-    multipliers, projection = _nonnegative_least_squares(coordinates, point)
+    # R from a Householder QR is exact to ~eps of its size: angles between gradients
+    # down to ~1e-13 are real here, where the Gram path cannot resolve below ~1e-8.
+    rank_tolerance = _STACK_RANK_TOLERANCE * len(norms)
+    multipliers, projection = _nonnegative_least_squares(coordinates, point, rank_tolerance)
     if float(np.linalg.norm(point)) == 0.0:
         return np.asarray(lower, dtype=np.float64).copy(), projection, 0.0
     residual = _projection_residual(coordinates, point, multipliers, projection)
@@ -207,15 +212,16 @@ def _projection_residual(
 
 
 def _nonnegative_least_squares(
-    factor: np.ndarray, point: np.ndarray
+    factor: np.ndarray, point: np.ndarray, rank_tolerance: float = _RANK_TOLERANCE
 ) -> tuple[np.ndarray, np.ndarray]:
     """Lawson & Hanson (1974): min ||point + A x|| over x >= 0; returns x and the residual.
 
     The residual is the projection of ``point`` onto the cone {y : A^T y >= 0}. On the
     passive set P the least-squares problem is solved by SVD and the residual taken as
     ``point`` minus its orthogonal projection onto span(A_P), never as ``point + A_P x_P``
-    (which cancels when x is large). A column whose entry would leave A_P numerically
-    rank-deficient is excluded; the loop also stops when round-off stops progress.
+    (which cancels when x is large). A column whose entry would leave A_P rank-deficient
+    (smallest singular value below ``rank_tolerance`` of the largest) is excluded; the
+    loop also stops when round-off stops progress.
     """
     num = factor.shape[1]
     size = float(np.linalg.norm(point))
@@ -236,7 +242,7 @@ def _nonnegative_least_squares(
         previous = (multipliers.copy(), residual.copy(), passive.copy())
         passive[entering] = True
         for _ in range(10 * num + 20):
-            solved = _passive_least_squares(factor[:, passive], point)
+            solved = _passive_least_squares(factor[:, passive], point, rank_tolerance)
             if solved is None:
                 passive[entering] = False
                 excluded[entering] = True
@@ -270,11 +276,11 @@ def _nonnegative_least_squares(
 
 
 def _passive_least_squares(
-    columns: np.ndarray, point: np.ndarray
+    columns: np.ndarray, point: np.ndarray, rank_tolerance: float
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """x minimizing ||point + C x|| and the residual; None when C is numerically rank-deficient."""
     left, singular, right = np.linalg.svd(columns, full_matrices=False)
-    if singular[-1] <= _RANK_TOLERANCE * singular[0]:
+    if singular[-1] <= rank_tolerance * singular[0]:
         return None
     along = left.T @ point
     coefficients = -(right.T @ (along / singular))

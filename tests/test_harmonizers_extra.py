@@ -256,7 +256,15 @@ BARELY_CONFLICTING = torch.tensor(
 )
 
 
+# Found by `make fuzz`: g and -g + 1e-10 e_2: the dual cone is a plane, which needs both
+# constraints active although they are 1e-10 from parallel.
+OPPOSED_AT_1E_10 = torch.tensor(
+    [[-1.0, 1e-10, 0.0, 0.0], [0.0, -1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64
+)
+
+
 @given(jacobians(), st.sampled_from(["upgrad", "dualproj"]))
+@example(OPPOSED_AT_1E_10, "upgrad")
 @example(BARELY_CONFLICTING, "upgrad")
 @example(AMD_COUNTEREXAMPLE, "upgrad")
 @example(AMD_COUNTEREXAMPLE, "dualproj")
