@@ -50,8 +50,4 @@ class DualProj(Harmonizer):
         weighting: Weighting,
     ) -> Weighting | None:
         lower = preferences_for(self.pref_vector, objectives).numpy()
-        return refined_on_stack(self.exact_refinement(), jacobian, objectives, gram, [lower])
-
-    def exact_refinement(self) -> bool:
-        """Refine only the exact method (no TorchJD ridge, the built-in solver)."""
-        return self.refine_on_stack and self.reg_eps == 0 and self.backend == "builtin"
+        return refined_on_stack(self, jacobian, objectives, gram, [lower])

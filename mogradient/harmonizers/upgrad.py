@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
@@ -68,23 +70,29 @@ class UPGrad(Harmonizer):
             )
             if preference != 0
         ]
-        return refined_on_stack(self.exact_refinement(), jacobian, objectives, gram, lowers)
+        return refined_on_stack(self, jacobian, objectives, gram, lowers)
 
-    def exact_refinement(self) -> bool:
-        """Refine only the exact method (no TorchJD ridge, the built-in solver)."""
-        return self.refine_on_stack and self.reg_eps == 0 and self.backend == "builtin"
+
+class DualConeSettings(Protocol):
+    """What decides whether a dual-cone method is refined on the stack."""
+
+    refine_on_stack: bool
+    reg_eps: float
+    backend: str
 
 
 def refined_on_stack(
-    enabled: bool,
+    settings: DualConeSettings,
     jacobian: torch.Tensor,
     objectives: torch.Tensor,
     gram: torch.Tensor,
     lowers: list[np.ndarray],
 ) -> Weighting | None:
-    """The sum over ``lowers`` of dual-cone projections solved on the stack, when
-    ``enabled`` and the Gram says the gradients are near-dependent."""
-    if not (enabled and near_dependent(gram.numpy())):
+    """The sum over ``lowers`` of dual-cone projections solved on the stack, for the exact
+    method (refinement on, no TorchJD ridge, the built-in solver) when the Gram says the
+    gradients are near-dependent."""
+    exact = settings.refine_on_stack and settings.reg_eps == 0 and settings.backend == "builtin"
+    if not (exact and near_dependent(gram.numpy())):
         return None
     basis, coordinates, norms = coordinates_from_stack(jacobian[objectives.to(jacobian.device)])
     weights = np.zeros(len(objectives))
