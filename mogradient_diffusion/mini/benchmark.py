@@ -40,6 +40,7 @@ HELD_OUT = (
     "mini_ocr_strict",
 )
 EVAL_STEPS = 16
+NOISE = "mini_noise"  # the control's reward: uniform noise, signal-free advantages
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Method:
     key: str
     label: str
     overrides: tuple[str, ...] = ()
-    ablation: bool = False  # ablations run one seed
+    ablation: bool = False  # ablations run the budget's ablation seeds
     probe: bool = False  # log cos(update, g_k) on every step (conflict table)
     trains: bool = True
 
@@ -55,16 +56,21 @@ class Method:
 @dataclass(frozen=True)
 class Budget:
     epochs: int
-    seeds: int
+    seeds: int  # main rows
+    ablation_seeds: int
     eval_prompts: int | None  # None: every held-out prompt
     eval_images: int
     full: bool  # every baseline and ablation, and the cost runs
 
 
 MODES = {
-    "test": Budget(epochs=1, seeds=1, eval_prompts=6, eval_images=1, full=False),
-    "quick": Budget(epochs=4, seeds=1, eval_prompts=24, eval_images=1, full=False),
-    "full": Budget(epochs=40, seeds=3, eval_prompts=None, eval_images=2, full=True),
+    "test": Budget(epochs=1, seeds=1, ablation_seeds=1, eval_prompts=6, eval_images=1, full=False),
+    "quick": Budget(
+        epochs=4, seeds=1, ablation_seeds=1, eval_prompts=24, eval_images=1, full=False
+    ),
+    "full": Budget(
+        epochs=40, seeds=3, ablation_seeds=2, eval_prompts=None, eval_images=2, full=True
+    ),
 }
 
 
@@ -81,6 +87,12 @@ def methods(budget: Budget) -> list[Method]:
         Method(f"single_{r}", f"single: {r}", ("strategy.name=single", f"strategy.reward={r}"))
         for r in TRAIN_REWARDS
     ]
+    control = Method(
+        "noise_control",
+        "control: pure-noise reward",
+        (f"rewards=[{{name: {NOISE}, options: {{like: mini_preference}}}}]",
+         "strategy.name=single", f"strategy.reward={NOISE}"),
+    )  # fmt: skip
     baselines = [
         Method(
             "sequential", "sequential", ("strategy.name=sequential", f"strategy.stages=[{stages}]")
@@ -94,11 +106,18 @@ def methods(budget: Budget) -> list[Method]:
             "marble_fixed_alpha", "MARBLE fixed equal alpha", ("strategy.fixed_alpha=true",), True
         ),
         Method("marble_every_step", "MARBLE solve every step", ("strategy.period=1",), True),
+        Method(
+            "marble_smoothed",
+            "MARBLE smoothed weights on solve steps",
+            ("strategy.smooth_solve_steps=true",),
+            True,
+            probe=True,
+        ),
     ] + [
         Method(f"marble_rho{rho}", f"MARBLE rho {rho}", (f"strategy.rho={rho}",), True)
         for rho in (0.1, 0.3, 0.5, 0.9)
     ]
-    return [base, *singles, weighted, *baselines, marble, *ablations]
+    return [base, control, *singles, weighted, *baselines, marble, *ablations]
 
 
 def cost_methods() -> list[Method]:
@@ -198,11 +217,14 @@ def run_one(
 
 
 def jobs_of(budget: Budget) -> list[tuple[Method, int]]:
-    """Every (method, seed) of a budget: main rows on every seed, the rest on seed 0."""
+    """Every (method, seed) of a budget: main rows on ``seeds`` seeds, ablations on
+    ``ablation_seeds``, the (deterministic) base row once."""
     jobs = [
         (method, seed)
         for method in methods(budget)
-        for seed in range(1 if method.ablation or not method.trains else budget.seeds)
+        for seed in range(
+            1 if not method.trains else budget.ablation_seeds if method.ablation else budget.seeds
+        )
     ]
     return jobs + [(method, 0) for method in cost_methods()] if budget.full else jobs
 

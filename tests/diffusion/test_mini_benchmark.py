@@ -14,10 +14,14 @@ from mogradient_diffusion.mini.benchmark import (
     HELD_OUT,
     MODES,
     TRAIN_REWARDS,
+    Method,
+    RunResult,
+    jobs_of,
     main,
     methods,
     write_prompt_files,
 )
+from mogradient_diffusion.mini.report import _control_rows, _staleness_rows
 from mogradient_diffusion.mini.world import all_prompts, split_prompts, vocabulary
 from mogradient_diffusion.prompts import load_prompt_file
 
@@ -47,11 +51,49 @@ def test_prompt_files_keep_metadata_and_mix_sources_in_every_prefix(tmp_path):
 def test_full_mode_has_every_row_the_issue_names():
     keys = [m.key for m in methods(MODES["full"])]
     for key in ("base", "weighted_sum", "sequential", "reward_dropout", "pcgrad", "marble",
-                "marble_no_norm", "marble_fixed_alpha", "marble_every_step"):  # fmt: skip
+                "marble_no_norm", "marble_fixed_alpha", "marble_every_step", "noise_control",
+                "marble_smoothed"):  # fmt: skip
         assert key in keys
     assert sum(k.startswith("single_") for k in keys) == len(TRAIN_REWARDS)
     assert sum(k.startswith("marble_rho") for k in keys) == 4
-    assert MODES["full"].seeds >= 3
+    seeds = {}
+    for method, seed in jobs_of(MODES["full"]):
+        seeds.setdefault(method.key, set()).add(seed)
+    assert seeds["marble"] == seeds["noise_control"] == {0, 1, 2}  # main rows: 3 seeds
+    assert seeds["marble_rho0.1"] == seeds["marble_smoothed"] == {0, 1}  # ablations: 2
+    assert seeds["base"] == {0}
+
+
+def test_methods_are_compared_with_the_noise_control_in_pooled_seed_std():
+    def row(key, mean, std):
+        return {"key": key, "label": key, "mean": {"r": mean}, "std": {"r": std}}
+
+    rows = [row("base", 0.1, math.nan), row("noise_control", 0.2, 0.03), row("m", 0.5, 0.04)]
+    (compared,) = _control_rows(rows, ["r"])
+    assert compared["key"] == "m"
+    assert compared["rewards"]["r"]["difference"] == pytest.approx(0.3)
+    assert compared["rewards"]["r"]["separation"] == pytest.approx(0.3 / math.sqrt(0.00125))
+    assert _control_rows([row("m", 0.5, 0.04)], ["r"]) == []  # no control row: no table
+
+
+def test_staleness_groups_cached_steps_by_steps_since_their_solve(tmp_path):
+    steps = [
+        {"solved": 1, "harmonize/cos_min": 0.2},
+        {"solved": 0, "harmonize/cos_min": 0.1, "stale/steps_since_solve": 1.0,
+         "stale/cos_to_fresh": 0.9, "stale/fresh_cos_min": 0.3},
+        {"solved": 0, "harmonize/cos_min": -0.1, "stale/steps_since_solve": 2.0,
+         "stale/cos_to_fresh": 0.5, "stale/fresh_cos_min": 0.2},
+        {"solved": 0, "harmonize/cos_min": 0.3, "stale/steps_since_solve": 2.0,
+         "stale/cos_to_fresh": 0.7, "stale/fresh_cos_min": 0.0},
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"optimizer_steps": steps}) + "\n")
+    marble = RunResult(Method("marble", "MARBLE"), 0, tmp_path, tmp_path / "eval")
+    rows = _staleness_rows([marble, RunResult(Method("weighted_sum", "ws"), 0, None, tmp_path)])
+    assert [(r["steps_since_solve"], r["steps"]) for r in rows] == [(1, 1), (2, 2)]
+    assert rows[1]["mean_cos_to_fresh"] == pytest.approx(0.6)
+    assert rows[1]["min_cos_to_fresh"] == pytest.approx(0.5)
+    assert rows[1]["applied_negative_fraction"] == pytest.approx(0.5)
+    assert rows[1]["fresh_mean_min_cos"] == pytest.approx(0.1)
 
 
 @pytest.mark.slow
