@@ -1,0 +1,180 @@
+"""Flow-GRPO's clipped-ratio loss as a CombinableLoss, one objective per reward.
+
+Per (image, trained step) entry with ratio r = exp(log p_theta - log p_old) and reward k's
+advantage A, the reference loss is max(-A r, -A clip(r, 1 - eps, 1 + eps)). For A >= 0
+that is -A min(r, 1 + eps), for A < 0 it is |A| max(r, 1 - eps): so the shared terms
+P = min(r, 1 + eps) and N = max(r, 1 - eps) with the constant coefficients
+-max(A, 0) / n and max(-A, 0) / n give every reward's loss exactly, and any weighted sum
+of them in one backward pass. The KL to the reference model, beta mean((mu_theta -
+mu_ref)^2 / (2 sigma_t^2)), is not harmonized: it goes in ``extra``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mogradient.objectives import CombinableLoss, masked_mean_coefficients
+from mogradient_diffusion.advantages import group_advantages
+
+
+@dataclass(frozen=True)
+class FlowGRPOSettings:
+    """Flow-GRPO's objective; defaults are the reference's SD3.5-M ones.
+
+    clip_range: eps of the ratio clip (1e-4).
+    kl_coefficient: beta of the KL to the reference model (0.04 for OCR and GenEval,
+        0.01 for PickScore); 0 skips the reference forward.
+    noise_level: the SDE's eta (0.7).
+    advantage_clip: advantages are clamped to +-this (5).
+    std_eps: added to the batch std before dividing (1e-4).
+    window_size, window_range: Flow-GRPO-Fast; SDE (and training) only on a window of
+        ``window_size`` steps starting uniformly in [lo, hi - w]. None: every step is SDE.
+    detach_uncond: stop gradients through CFG's unconditional branch (July 2025 code).
+    """
+
+    clip_range: float = 1e-4
+    kl_coefficient: float = 0.04
+    noise_level: float = 0.7
+    advantage_clip: float = 5.0
+    std_eps: float = 1e-4
+    window_size: int | None = None
+    window_range: tuple[int, int] = (0, 5)
+    detach_uncond: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive("clip_range", self.clip_range)
+        _check_positive("kl_coefficient", self.kl_coefficient, allow_zero=True)
+        _check_positive("noise_level", self.noise_level)
+        _check_positive("advantage_clip", self.advantage_clip)
+        _check_positive("std_eps", self.std_eps)
+        if self.window_size is not None and (
+            not isinstance(self.window_size, int) or self.window_size < 1
+        ):
+            raise ValueError(
+                f"window_size must be a positive integer or None, got {self.window_size!r}"
+            )
+        low, high = self.window_range
+        if not (isinstance(low, int) and isinstance(high, int) and 0 <= low < high):
+            raise ValueError(
+                f"window_range must be integers 0 <= lo < hi, got {self.window_range!r}"
+            )
+        if self.window_size is not None and self.window_size > high - low:
+            raise ValueError(
+                f"window_size {self.window_size} does not fit in window_range {self.window_range}"
+            )
+        object.__setattr__(self, "window_range", (low, high))
+
+
+def flow_grpo_advantages(
+    rewards: Tensor, group_ids: Tensor, settings: FlowGRPOSettings
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-reward advantages [B, K]: (r - group mean) / (batch std + std_eps), clamped.
+
+    NaN rewards (not applicable) stay NaN. Also returns the per-reward statistics of
+    :func:`group_advantages` (``zero_std_group_ratio`` among them).
+    """
+    return group_advantages(
+        rewards, group_ids, std="global", clip=settings.advantage_clip, eps=settings.std_eps
+    )
+
+
+def clipped_ratio_terms(log_probs: Tensor, old_log_probs: Tensor, clip_range: float) -> Tensor:
+    """The shared terms [2, N]: P = min(r, 1 + eps) and N = max(r, 1 - eps)."""
+    ratio = torch.exp(log_probs - old_log_probs.detach())
+    return torch.stack((ratio.clamp(max=1 + clip_range), ratio.clamp(min=1 - clip_range)))
+
+
+def flow_grpo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    settings: FlowGRPOSettings,
+    kl: Tensor | None = None,
+    valid_counts: Tensor | None = None,
+    total_entries: int | None = None,
+) -> CombinableLoss:
+    """The K per-reward Flow-GRPO losses of N (image, step) entries.
+
+    ``log_probs`` [N] is differentiable, ``old_log_probs`` [N] the rollout's, ``advantages``
+    [N, K] (NaN where reward k does not apply; clamped here). Reward k's loss is the mean
+    over its valid entries, over ``valid_counts[k]`` of them when these N entries are one
+    piece of an optimizer step. ``kl`` [N] is each entry's mean((mu - mu_ref)^2) /
+    (2 sigma_t^2); beta times its mean over ``total_entries`` (default N) is ``extra``.
+    """
+    if log_probs.ndim != 1 or old_log_probs.shape != log_probs.shape:
+        raise ValueError(
+            f"log_probs and old_log_probs must be [N], got {tuple(log_probs.shape)} and "
+            f"{tuple(old_log_probs.shape)}"
+        )
+    if advantages.ndim != 2 or advantages.shape[0] != len(log_probs):
+        raise ValueError(
+            f"advantages must be [N={len(log_probs)}, K], got {tuple(advantages.shape)}"
+        )
+    if bool(torch.isinf(advantages).any()):
+        raise ValueError("advantages contain Inf; mark a reward that does not apply with NaN")
+    dtype = torch.promote_types(log_probs.dtype, torch.float32)
+    terms = clipped_ratio_terms(log_probs.to(dtype), old_log_probs.to(dtype), settings.clip_range)
+    clip = settings.advantage_clip
+    a = advantages.detach().to(device=terms.device, dtype=dtype).clamp(-clip, clip).T
+    per_sample = torch.stack((-a.clamp(min=0), (-a).clamp(min=0)), dim=1)
+    coefficients = masked_mean_coefficients(per_sample, ~torch.isnan(a), valid_counts)
+    extra = None
+    if kl is not None:
+        if kl.shape != log_probs.shape:
+            raise ValueError(f"kl must be [N={len(log_probs)}], got {tuple(kl.shape)}")
+        extra = settings.kl_coefficient * kl.to(dtype).sum() / (total_entries or len(kl))
+    return CombinableLoss(terms=terms, coefficients=coefficients, extra=extra)
+
+
+def kl_to_reference(mean: Tensor, reference_mean: Tensor, noise_scale: Tensor) -> Tensor:
+    """Per entry mean((mu_theta - mu_ref)^2) / (2 sigma_t^2), sigma_t the SDE noise scale.
+
+    As the reference: no sqrt(-dt) in the denominator (flow_grpo issue #78).
+    """
+    if mean.shape != reference_mean.shape:
+        raise ValueError(
+            f"mean {tuple(mean.shape)} and reference_mean {tuple(reference_mean.shape)} differ"
+        )
+    squared = (mean - reference_mean.detach()).square().flatten(1).mean(dim=1)
+    return squared / (2 * noise_scale.detach().reshape(-1).to(squared.dtype) ** 2)
+
+
+def ratio_metrics(log_probs: Tensor, old_log_probs: Tensor, clip_range: float) -> dict[str, float]:
+    """What users of the references ask for: how far the ratio is from 1 and how much clips.
+
+    ``max_abs_ratio_minus_one`` must be ~0 on the first optimizer step after a rollout
+    (the policy has not moved yet): a larger value means the training forward does not
+    reproduce the sampler's (precision, CFG, a lagged sampling adapter).
+    """
+    with torch.no_grad():
+        log_ratio = (log_probs - old_log_probs).double()
+        ratio = log_ratio.exp()
+        return {
+            "ratio_mean": ratio.mean().item(),
+            "ratio_std": ratio.std(unbiased=False).item(),
+            "max_abs_ratio_minus_one": (ratio - 1).abs().max().item(),
+            "clip_fraction_above": (ratio - 1 > clip_range).double().mean().item(),
+            "clip_fraction_below": (1 - ratio > clip_range).double().mean().item(),
+            "approx_kl": 0.5 * log_ratio.square().mean().item(),
+        }
+
+
+def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+__all__ = [
+    "FlowGRPOSettings",
+    "clipped_ratio_terms",
+    "flow_grpo_advantages",
+    "flow_grpo_loss",
+    "kl_to_reference",
+    "ratio_metrics",
+]
