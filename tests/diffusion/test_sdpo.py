@@ -12,13 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tolerances import reduction_atol
 
-from mogradient_diffusion.objectives.sdpo import (
-    SDPOSettings,
+from mogradient_diffusion.objectives.sdpo import SDPOSettings, advantage_differences, sdpo_loss
+from mogradient_diffusion.sdpo_advantages import (
     StepAdvantageTracker,
     anchor_similarities,
     dense_rewards,
     discounted_returns,
-    sdpo_loss,
 )
 
 SETTINGS = SDPOSettings()
@@ -71,6 +70,11 @@ def _problem(seed: int, entries: int = 30, rewards: int = 3):
     return theta, (lp_a, lp_b, old_a, old_b, steps, adv_a, adv_b), outside
 
 
+def _loss_inputs(inputs):
+    *log_probs_and_steps, adv_a, adv_b = inputs
+    return (*log_probs_and_steps, advantage_differences(adv_a, adv_b, SETTINGS.advantage_clip))
+
+
 @given(seed=st.integers(0, 2**16))
 def test_combined_loss_and_gradient_equal_the_reference(seed: int) -> None:
     theta, inputs, outside = _problem(seed)
@@ -78,7 +82,7 @@ def test_combined_loss_and_gradient_equal_the_reference(seed: int) -> None:
     assert bool(((lp_a - old_a).abs() > SETTINGS.clip_range)[outside].all())
     weights = torch.randn(3, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
 
-    loss = sdpo_loss(*inputs, SETTINGS)
+    loss = sdpo_loss(*_loss_inputs(inputs), SETTINGS)
     reference = _reference_losses(*inputs, SETTINGS)
     per_reward = [torch.autograd.grad(reference[k], theta, retain_graph=True)[0] for k in range(3)]
     expected = sum(w * g for w, g in zip(weights, per_reward, strict=True))
@@ -109,6 +113,7 @@ def test_both_branches_are_active_somewhere() -> None:
 
 def test_pieces_of_a_step_add_up() -> None:
     _, inputs, _ = _problem(1)
+    inputs = _loss_inputs(inputs)
     whole = sdpo_loss(*inputs, SETTINGS).objective_losses()
     counts = (~torch.isnan(inputs[5])).sum(dim=0)
     parts = [slice(0, 11), slice(11, 30)]
@@ -267,9 +272,11 @@ def test_settings_validation() -> None:
 def test_loss_input_validation() -> None:
     x = torch.zeros(3)
     steps = torch.zeros(3, dtype=torch.long)
-    with pytest.raises(ValueError, match="advantages_a and advantages_b"):
-        sdpo_loss(x, x, x, x, steps, torch.zeros(3, 1), torch.zeros(2, 1), SETTINGS)
+    with pytest.raises(ValueError, match="differences must be"):
+        sdpo_loss(x, x, x, x, steps, torch.zeros(2, 1), SETTINGS)
     with pytest.raises(ValueError, match="steps"):
-        sdpo_loss(x, x, x, x, steps[:2], torch.zeros(3, 1), torch.zeros(3, 1), SETTINGS)
+        sdpo_loss(x, x, x, x, steps[:2], torch.zeros(3, 1), SETTINGS)
     with pytest.raises(ValueError, match="Inf"):
-        sdpo_loss(x, x, x, x, steps, torch.full((3, 1), torch.inf), torch.zeros(3, 1), SETTINGS)
+        advantage_differences(torch.full((3, 1), torch.inf), torch.zeros(3, 1), 5.0)
+    with pytest.raises(ValueError, match="share a shape"):
+        advantage_differences(torch.zeros(3, 1), torch.zeros(2, 1), 5.0)
