@@ -27,8 +27,9 @@ toys: $(STAMP)
 	$(PY) -m mogradient.demo --out results/demo
 
 # The whole miniature head-to-head (every method, 3 seeds, ablations): ~1-2 h on 2 cores.
+# `make mini RESUME=1` keeps finished runs of an interrupted one and does the rest.
 mini: $(STAMP)
-	$(PY) -m mogradient_diffusion.mini.benchmark --mode full --out benchmarks/results/mini --work results/mini_work
+	$(PY) -m mogradient_diffusion.mini.benchmark --mode full --out benchmarks/results/mini --work results/mini_work $(if $(RESUME),--resume)
 
 test: $(STAMP)
 	$(PY) -m ruff check .

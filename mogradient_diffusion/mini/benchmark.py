@@ -182,12 +182,20 @@ def _child(command: list[str], log: Path) -> tuple[float, float]:
 def run_one(
     method: Method, seed: int, budget: Budget, work: Path, prompts: Path, model: Path
 ) -> RunResult:
-    """Train (unless the base row) then evaluate one (method, seed)."""
+    """Train (unless the base row) then evaluate one (method, seed).
+
+    Work already finished in ``work`` is kept: an evaluated run is not redone, a trained
+    run is only evaluated, and a killed training run resumes from its last checkpoint.
+    """
     name = f"{method.key}/s{seed}"
     run_dir = work / "runs" / name if method.trains else None
     result = RunResult(method, seed, run_dir, work / "evals" / name)
+    if (result.eval_dir / "summary.json").is_file():
+        return _with_process_record(result)
     cli = [sys.executable, "-m", "mogradient_diffusion.cli"]
-    if run_dir is not None:
+    if run_dir is not None and (run_dir / "lora").is_dir():
+        result = _with_process_record(result)
+    elif run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         command = [
             *cli, "train", "--config", str(CONFIG),
@@ -236,13 +244,18 @@ def collect_results(mode: str, work: Path) -> list[RunResult]:
         name = f"{method.key}/s{seed}"
         run_dir = work / "runs" / name if method.trains else None
         result = RunResult(method, seed, run_dir, work / "evals" / name)
-        if not (result.eval_dir / "summary.json").is_file():
-            continue
-        if run_dir is not None and (run_dir / "process.json").is_file():
-            process = json.loads((run_dir / "process.json").read_text())
-            result.train_seconds, result.peak_rss_mib = process["seconds"], process["peak_rss_mib"]
-        results.append(result)
+        if (result.eval_dir / "summary.json").is_file():
+            results.append(_with_process_record(result))
     return results
+
+
+def _with_process_record(result: RunResult) -> RunResult:
+    """``result`` with the training time and memory its finished run recorded."""
+    record = None if result.run_dir is None else result.run_dir / "process.json"
+    if record is not None and record.is_file():
+        process = json.loads(record.read_text())
+        result.train_seconds, result.peak_rss_mib = process["seconds"], process["peak_rss_mib"]
+    return result
 
 
 def run_benchmark(mode: str, out: Path, work: Path, workers: int, model: Path = BASE_MODEL) -> Path:
@@ -282,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report-only", action="store_true", help="rebuild the report from the finished runs"
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the finished runs in --work and do only what is missing",
+    )
     args = parser.parse_args(argv)
     work = args.work or args.out / "work"
     if args.report_only:
@@ -290,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(collect_results(args.mode, work), args.out, args.mode, math.nan, args.workers)
         print(f"report rebuilt from {work}: {args.out / 'table.md'}")
         return 0
-    if work.exists():
+    if work.exists() and not args.resume:
         shutil.rmtree(work)
     try:
         out = run_benchmark(args.mode, args.out, work, args.workers, args.model)

@@ -115,3 +115,26 @@ def test_minimal_head_to_head_writes_tables_plots_and_grids(tmp_path):
         "weighted_sum.png",
         "marble.png",
     }
+
+
+def test_resumed_head_to_head_redoes_no_finished_work(tmp_path, monkeypatch):
+    import mogradient_diffusion.mini.benchmark as benchmark
+
+    calls = []
+    monkeypatch.setattr(
+        benchmark, "_child", lambda command, log: (calls.append(command[3]), (1.0, 1.0))[1]
+    )
+    method = Method("marble", "MARBLE")
+    evaluated = tmp_path / "evals" / "marble" / "s0"
+    evaluated.mkdir(parents=True)
+    (evaluated / "summary.json").write_text("{}")
+    run_dir = tmp_path / "runs" / "marble" / "s0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "process.json").write_text(json.dumps({"seconds": 12.5, "peak_rss_mib": 300}))
+    result = benchmark.run_one(method, 0, MODES["test"], tmp_path, tmp_path, tmp_path)
+    assert calls == [] and result.train_seconds == 12.5
+    (tmp_path / "runs" / "marble" / "s1" / "lora").mkdir(parents=True)  # trained, not evaluated
+    benchmark.run_one(method, 1, MODES["test"], tmp_path, tmp_path, tmp_path)
+    assert calls == ["eval"]
+    benchmark.run_one(method, 2, MODES["test"], tmp_path, tmp_path, tmp_path)  # nothing yet
+    assert calls == ["eval", "train", "eval"]
