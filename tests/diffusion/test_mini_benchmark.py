@@ -121,9 +121,12 @@ def test_resumed_head_to_head_redoes_no_finished_work(tmp_path, monkeypatch):
     import mogradient_diffusion.mini.benchmark as benchmark
 
     calls = []
-    monkeypatch.setattr(
-        benchmark, "_child", lambda command, log: (calls.append(command[3]), (1.0, 1.0))[1]
-    )
+
+    def child(command, log):  # records which CLI command would have run
+        calls.append(command[3])
+        return 1.0, 1.0
+
+    monkeypatch.setattr(benchmark, "_child", child)
     method = Method("marble", "MARBLE")
     evaluated = tmp_path / "evals" / "marble" / "s0"
     evaluated.mkdir(parents=True)
