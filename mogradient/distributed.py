@@ -43,24 +43,42 @@ def ddp_objective_gradients(
     return stack
 
 
+def apply_weights(
+    parameters: Sequence[torch.Tensor],
+    jacobian: torch.Tensor,
+    weights: torch.Tensor,
+    broadcast_from: int | None = 0,
+    accumulate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``sum_k w_k g_k`` of a rank-averaged stack into ``.grad``; (weights, direction).
+
+    The weights are rank ``broadcast_from``'s (default 0), which makes identical updates
+    on every rank a guarantee rather than an assumption about bitwise-reproducible
+    collectives. ``accumulate`` adds to ``.grad`` (e.g. a KL term already there).
+    """
+    if broadcast_from is not None and dist.is_initialized():
+        weights = weights.to(jacobian.device).clone()
+        dist.broadcast(weights, src=broadcast_from)
+        weights = weights.cpu()
+    direction = combine(jacobian, weights)
+    write_gradient(parameters, direction, accumulate=accumulate)
+    return weights, direction
+
+
 def apply_harmonized(
     parameters: Sequence[torch.Tensor],
     jacobian: torch.Tensor,
     harmonizer: Harmonizer,
     broadcast_from: int | None = 0,
+    accumulate: bool = False,
 ) -> Harmonization:
     """Harmonize a rank-averaged stack and write the direction into ``.grad``.
 
-    The stack is identical on all ranks, so the float64 solve is too; broadcasting the
-    weights from ``broadcast_from`` (default rank 0) makes that a guarantee rather than
-    an assumption about bitwise-reproducible collectives.
+    The stack is identical on all ranks, so the float64 solve is too; the weights are
+    then broadcast and applied as in :func:`apply_weights`.
     """
     harmonization = harmonizer(jacobian)
-    weights = harmonization.weights
-    if broadcast_from is not None and dist.is_initialized():
-        weights = weights.to(jacobian.device)
-        dist.broadcast(weights, src=broadcast_from)
-        weights = weights.cpu()
-    direction = combine(jacobian, weights)
-    write_gradient(parameters, direction)
+    weights, direction = apply_weights(
+        parameters, jacobian, harmonization.weights, broadcast_from, accumulate
+    )
     return dataclasses.replace(harmonization, weights=weights, direction=direction)

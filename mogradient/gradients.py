@@ -94,8 +94,14 @@ def combinable_gradients(
     return _batched_vjp(terms, cotangents, parameters, names, chunk_size, retain_graph)
 
 
-def write_gradient(parameters: Iterable[torch.Tensor], direction: torch.Tensor) -> None:
-    """Store a flat direction into ``.grad`` of each parameter (replacing what was there)."""
+def write_gradient(
+    parameters: Iterable[torch.Tensor], direction: torch.Tensor, accumulate: bool = False
+) -> None:
+    """Store a flat direction into ``.grad`` of each parameter.
+
+    Replaces what was there, or with ``accumulate`` adds to it (a missing ``.grad``
+    counts as zeros), e.g. on top of a non-harmonized term already back-propagated.
+    """
     parameters = list(parameters)
     total = sum(parameter.numel() for parameter in parameters)
     if direction.shape != (total,):
@@ -105,8 +111,48 @@ def write_gradient(parameters: Iterable[torch.Tensor], direction: torch.Tensor) 
         size = parameter.numel()
         piece = direction[offset : offset + size].view_as(parameter)
         piece = piece.to(device=parameter.device, dtype=parameter.dtype)
-        parameter.grad = piece.clone()
+        if accumulate and parameter.grad is not None:
+            parameter.grad = parameter.grad + piece
+        else:
+            parameter.grad = piece.clone()
         offset += size
+
+
+def accumulate_gradients(
+    losses: Iterable[tuple[float, CombinableLoss]],
+    parameters: Sequence[torch.Tensor],
+    weights: torch.Tensor | None = None,
+    count: int | None = None,
+    apply_extra: bool = True,
+) -> torch.Tensor | None:
+    """Sum ``scale * gradient`` over a stream of (scale, CombinableLoss) pieces.
+
+    With ``weights`` (K,) every piece is combined first and one backward per piece adds
+    ``scale * (sum_k w_k grad L_k + grad extra)`` to ``.grad``; returns None. Without,
+    returns the K x D stack ``sum scale * grad L_k`` of the pieces (gradient
+    accumulation over micro-batches, one forward alive at a time), and only the
+    non-harmonized ``extra`` terms go to ``.grad`` (left out with ``apply_extra=False``,
+    for measurements that must leave ``.grad`` alone). Both are exact for the same
+    weights: ``.grad + combine(stack, w)`` equals the weighted path's ``.grad``. An empty
+    stream gives a zero stack of ``count`` rows.
+    """
+    parameters = list(parameters)
+    stack = None
+    for scale, loss in losses:
+        if weights is not None:
+            (loss.combined(weights) * scale).backward()
+            continue
+        extra = loss.extra if apply_extra else None
+        part = combinable_gradients(loss, parameters, retain_graph=extra is not None)
+        stack = part * scale if stack is None else stack.add_(part, alpha=scale)
+        if extra is not None:
+            (extra * scale).backward()
+    if weights is None and stack is None:
+        if count is None:
+            raise ValueError("an empty stream of losses needs count (the number of objectives)")
+        total = sum(parameter.numel() for parameter in parameters)
+        stack = torch.zeros(count, total, device=parameters[0].device)
+    return stack
 
 
 def _sequential(

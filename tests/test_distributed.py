@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mogradient import MGDA, objective_gradients
-from mogradient.distributed import apply_harmonized, ddp_objective_gradients
+from mogradient.distributed import apply_harmonized, apply_weights, ddp_objective_gradients
 
 WORLD_SIZE = 2
 
@@ -73,3 +73,17 @@ def test_two_process_gloo(tmp_path: Path) -> None:
         torch.testing.assert_close(result["applied"], result["reference"], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(results[0]["synced"], results[1]["synced"])
     assert not torch.equal(results[0]["applied"], torch.zeros_like(results[0]["applied"]))
+
+
+def test_apply_weights_adds_the_weighted_sum_to_the_gradient_already_there() -> None:
+    """Without a process group: .grad (a KL term, say) + sum_k w_k g_k, rows written out."""
+    model = nn.Linear(2, 2)
+    parameters = list(model.parameters())
+    model.weight.grad = torch.full((2, 2), 0.5)
+    jacobian = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    weights = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    applied, direction = apply_weights(parameters, jacobian, weights, accumulate=True)
+    expected = 2.0 * jacobian[0] - jacobian[1]  # small integers: exact in float32
+    assert torch.equal(applied, weights) and torch.equal(direction, expected)
+    gradient = torch.cat([p.grad.reshape(-1) for p in parameters])
+    assert torch.equal(gradient, expected + torch.tensor([0.5] * 4 + [0.0] * 2))

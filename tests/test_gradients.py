@@ -10,11 +10,13 @@ from torch import nn
 from mogradient import (
     CombinableLoss,
     combinable_gradients,
+    flat_gradient,
     objective_gradients,
     select_parameters,
     write_gradient,
 )
 from mogradient.errors import UnusedParameterError
+from mogradient.gradients import accumulate_gradients
 
 
 def _model_and_losses() -> tuple[nn.Module, list[torch.Tensor]]:
@@ -174,6 +176,88 @@ def test_write_gradient_round_trip() -> None:
     )
     with pytest.raises(ValueError, match="need"):
         write_gradient(model.parameters(), torch.zeros(3))
+
+
+def test_write_gradient_accumulates_onto_existing_and_missing_grads() -> None:
+    model = nn.Linear(3, 2)
+    model.weight.grad = torch.ones_like(model.weight)  # the bias has no .grad yet
+    direction = torch.arange(8, dtype=torch.float32)
+    write_gradient(model.parameters(), direction, accumulate=True)
+    torch.testing.assert_close(model.weight.grad.reshape(-1), direction[:6] + 1, rtol=0, atol=0)
+    torch.testing.assert_close(model.bias.grad, direction[6:], rtol=0, atol=0)
+
+
+def _pieces(model: nn.Module) -> list[tuple[float, CombinableLoss]]:
+    """Two (scale, CombinableLoss) pieces of a float64 model: K = 3 signed objectives on
+    two shared terms, and a KL-like extra term."""
+    torch.manual_seed(3)
+    pieces = []
+    for scale, rows in ((0.25, 5), (0.75, 3)):
+        output = model(torch.randn(rows, 4, dtype=torch.float64))
+        terms = torch.stack((output[:, 0].pow(2), torch.tanh(output[:, 1])))
+        coefficients = torch.randn(3, 2, rows, dtype=torch.float64)
+        pieces.append((scale, CombinableLoss(terms, coefficients, 0.3 * output.pow(2).mean())))
+    return pieces
+
+
+def _written_out(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sum scale * C[k, j, b] * grad T[j, b] from one gradient per term, the extra's
+    gradient, and the sums of absolute values of those products (for the rounding bound)."""
+    parameters = list(model.parameters())
+    rows, magnitudes, extra = 0, 0, 0
+    for scale, loss in _pieces(model):
+        per_term = torch.stack(
+            [
+                torch.cat(
+                    [
+                        g.reshape(-1)
+                        for g in torch.autograd.grad(term, parameters, retain_graph=True)
+                    ]
+                )
+                for term in loss.terms.reshape(-1)
+            ]
+        )  # [J * B, D]
+        coefficients = loss.coefficients.reshape(3, -1)
+        rows = rows + scale * coefficients @ per_term
+        magnitudes = magnitudes + scale * coefficients.abs() @ per_term.abs()
+        grads = torch.autograd.grad(loss.extra, parameters)
+        extra = extra + scale * torch.cat([g.reshape(-1) for g in grads])
+    return rows, extra, magnitudes
+
+
+def test_accumulate_gradients_stack_and_weighted_paths_match_the_written_out_sums() -> None:
+    torch.manual_seed(4)
+    model = nn.Linear(4, 2).double()
+    parameters = list(model.parameters())
+    weights = torch.tensor([0.7, -1.3, 0.2], dtype=torch.float64)
+    rows, extra, magnitudes = _written_out(model)
+    # Each entry sums 16 (term, sample) products and the extra; the extra's own gradient
+    # is one backward either way (equal up to its reduction over 8 x 2 outputs).
+    extra_atol = reduction_atol(torch.float64, 16, float(extra.abs().max()))
+    atol = reduction_atol(torch.float64, 16, float(magnitudes.max())) + extra_atol
+
+    stack = accumulate_gradients(_pieces(model), parameters)
+    torch.testing.assert_close(stack, rows, rtol=0, atol=atol)
+    torch.testing.assert_close(flat_gradient(parameters), extra, rtol=0, atol=extra_atol)
+
+    model.zero_grad(set_to_none=True)
+    assert accumulate_gradients(_pieces(model), parameters, weights) is None
+    weighted_atol = reduction_atol(torch.float64, 48, float((weights.abs() @ magnitudes).max()))
+    torch.testing.assert_close(
+        flat_gradient(parameters), weights @ rows + extra, rtol=0, atol=weighted_atol + extra_atol
+    )
+
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(_pieces(model), parameters, apply_extra=False)
+    assert all(p.grad is None for p in parameters)
+
+
+def test_accumulate_gradients_of_an_empty_stream() -> None:
+    model = nn.Linear(3, 2)
+    stack = accumulate_gradients([], list(model.parameters()), count=4)
+    assert torch.equal(stack, torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="needs count"):
+        accumulate_gradients([], list(model.parameters()))
 
 
 def test_flat_gradient_concatenates_grads_with_zeros_for_missing_ones():
