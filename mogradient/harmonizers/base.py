@@ -18,6 +18,9 @@ import torch
 from mogradient.errors import SolverError
 from mogradient.gram import accumulate_gram, make_psd
 
+# Columns per block of the batched direction product (large enough that per-block
+# overhead is negligible, small enough that mid-sized stacks still split over threads).
+_COMBINE_BLOCK_COLUMNS = 1 << 16
 _NUMPY_DTYPES = {
     torch.float16: np.float16,
     torch.float32: np.float32,
@@ -163,7 +166,7 @@ def combine(
         if jacobian.requires_grad and torch.is_grad_enabled():
             return narrowed @ jacobian
         direction = _new_vector(jacobian)
-        torch.mm(narrowed[None], jacobian, out=direction[None])
+        _weighted_rows_into(narrowed, jacobian, direction)
         return direction
     # Unused rows may hold NaN (0 * NaN = NaN): accumulate the used rows one by one
     # rather than copying them out of a possibly huge stack.
@@ -184,6 +187,28 @@ def _new_vector(jacobian: torch.Tensor) -> torch.Tensor:
     if jacobian.device.type == "cpu" and numpy_dtype is not None:
         return torch.from_numpy(np.empty(jacobian.shape[1], dtype=numpy_dtype))
     return torch.empty(jacobian.shape[1], dtype=jacobian.dtype, device=jacobian.device)
+
+
+def _weighted_rows_into(weights: torch.Tensor, jacobian: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = weights @ jacobian``, on all of torch's threads.
+
+    On CPU one ``1 x K`` by ``K x D`` product is a single-threaded BLAS call (only the
+    calling thread accumulates CPU time). A batched product over column blocks is split
+    over torch's intra-op threads, which also first-touch their own part of ``out``; every
+    entry is the same K-term sum either way.
+    """
+    num_objectives, dim = jacobian.shape
+    width = _COMBINE_BLOCK_COLUMNS
+    count = dim // width if jacobian.device.type == "cpu" else 0
+    if count < 2:
+        torch.mm(weights[None], jacobian, out=out[None])
+        return
+    done = count * width
+    blocks = jacobian[:, :done].reshape(num_objectives, count, width).transpose(0, 1)
+    rows = weights.expand(count, 1, num_objectives)
+    torch.bmm(rows, blocks, out=out[:done].view(count, 1, width))
+    if done < dim:
+        torch.mm(weights[None], jacobian[:, done:], out=out[done:][None])
 
 
 def _combine_in_float64(
