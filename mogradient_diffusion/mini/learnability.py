@@ -15,10 +15,12 @@ same first prompts and noise) with the shared recipe, then evaluates base, speci
 control on the held-out prompts the reward applies to with the same evaluation seed, so
 the comparison is paired image by image. Learning shows as specialist > control; drift
 (any training moves every reward a little) shows in the control. Finished steps in
-``--out``/work are reused.
+``--out``/work are reused. ``acceptance`` mode repeats that check over ``--seeds``
+training seeds and gives each reward the verdict of the issue's acceptance test.
 
     python -m mogradient_diffusion.mini.learnability base --out benchmarks/results/mini
     python -m mogradient_diffusion.mini.learnability specialist --rewards mini_count
+    python -m mogradient_diffusion.mini.learnability acceptance --seeds 3 --epochs 40
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ HELD_OUT_OF = {  # the strict metric each training reward stands in for
 }
 SPECIALIST_REWARDS = ("mini_ocr", "mini_count", "mini_binding")
 ZERO_STD = 1e-6
+# The acceptance test: a specialist must gain this share of the headroom (1 - base) on
+# held-out prompts, and beat its noise control by this many pooled seed std.
+ACCEPT_HEADROOM_SHARE = 0.2
+ACCEPT_SEED_STDS = 2.0
 
 
 def machine() -> str:
@@ -275,6 +281,41 @@ def _curve(run_dir: Path, reward: str) -> list[float]:
     return [round(float(r[key]), 4) for r in map(json.loads, lines) if key in r]
 
 
+def acceptance(per_seed: list[dict[str, Any]], metric: str) -> dict[str, Any]:
+    """The acceptance verdict for ``metric`` from one specialist check per seed.
+
+    Gain: the specialist's held-out mean minus the base's, as a share of the headroom
+    1 - base (mean over seeds). Separation: specialist minus control (mean over seeds) in
+    units of the pooled seed std sqrt((s_specialist^2 + s_control^2) / 2).
+    """
+    rows = [check["metrics"][metric] for check in per_seed]
+    specialist = np.array([row["specialist"] for row in rows])
+    control = np.array([row["control"] for row in rows])
+    base = rows[0]["base"]  # the base evaluation does not depend on the training seed
+    headroom = 1.0 - base
+    gain_share = float((specialist.mean() - base) / headroom) if headroom > 0 else 0.0
+    difference = float(specialist.mean() - control.mean())
+    pooled = (
+        math.sqrt((specialist.var(ddof=1) + control.var(ddof=1)) / 2) if len(rows) > 1 else math.nan
+    )
+    separation = difference / pooled if pooled > 0 else math.nan
+    return {
+        "seeds": len(rows),
+        "base": base,
+        "specialist": specialist.tolist(),
+        "control": control.tolist(),
+        "gain_share_of_headroom": gain_share,
+        "specialist_minus_control": difference,
+        "pooled_seed_std": pooled,
+        "separation_in_seed_std": separation,
+        "passed": bool(
+            gain_share >= ACCEPT_HEADROOM_SHARE
+            and math.isfinite(separation)
+            and separation >= ACCEPT_SEED_STDS
+        ),
+    }
+
+
 # --- report -----------------------------------------------------------------------------------
 
 
@@ -341,6 +382,28 @@ def markdown(report: dict[str, Any]) -> str:
                     f"| {np.mean(curve[-10:]):.3f} | {' '.join(f'{v:.2f}' for v in curve)} |"
                 )
         lines.append("")
+    verdicts = report.get("acceptance", {})
+    if verdicts:
+        lines += [
+            f"## Acceptance test ({verdicts['seeds']} seeds, {verdicts['epochs']} epochs, "
+            f"overrides {verdicts['overrides'] or 'none'})",
+            "",
+            f"Passes when the specialist gains >= {ACCEPT_HEADROOM_SHARE:.0%} of the headroom "
+            f"(1 - base) on held-out prompts and beats its noise control by >= "
+            f"{ACCEPT_SEED_STDS:g} pooled seed std.",
+            "",
+            "| reward | base | specialist (per seed) | control (per seed) | gain / headroom "
+            "| specialist - control | in seed std | passed |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for reward, v in verdicts["rewards"].items():
+            lines.append(
+                f"| {reward} | {v['base']:.3f} | {' '.join(f'{x:.3f}' for x in v['specialist'])} "
+                f"| {' '.join(f'{x:.3f}' for x in v['control'])} "
+                f"| {v['gain_share_of_headroom']:+.0%} | {v['specialist_minus_control']:+.3f} "
+                f"| {v['separation_in_seed_std']:+.1f} | {'yes' if v['passed'] else 'no'} |"
+            )
+        lines.append("")
     for note in report.get("notes", []):
         lines.append(note)
     return "\n".join(lines) + "\n"
@@ -348,7 +411,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("base", "specialist"))
+    parser.add_argument("mode", choices=("base", "specialist", "acceptance"))
     parser.add_argument("--model", type=Path, default=BASE_MODEL)
     parser.add_argument("--out", type=Path, default=Path("results/learnability"))
     parser.add_argument("--label", default="shipped", help="key of this measurement")
@@ -357,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--eval-images", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=3, help="acceptance: seeds 0 .. n-1")
     parser.add_argument(
         "--override", action="append", default=[], help="recipe key=value for both runs"
     )
@@ -372,6 +436,25 @@ def main(argv: list[str] | None = None) -> int:
         part = measure_base(args.model, rewards, args.prompts_per_source, args.seed)
         part["seconds"] = round(time.perf_counter() - started, 1)
         report.setdefault("base", {})[args.label] = part
+    elif args.mode == "acceptance":
+        verdicts = {"seeds": args.seeds, "epochs": args.epochs, "overrides": args.override}
+        verdicts["rewards"] = {}
+        for reward in rewards:
+            per_seed = [
+                specialist_check(
+                    reward,
+                    args.out / "work" / f"acceptance_s{seed}",
+                    args.model,
+                    args.epochs,
+                    seed,
+                    args.eval_images,
+                    tuple(args.override),
+                )
+                for seed in range(args.seeds)
+            ]
+            verdicts["rewards"][reward] = acceptance(per_seed, reward)
+            report["acceptance"] = verdicts
+            path.write_text(json.dumps(report, indent=1) + "\n")
     else:
         for reward in rewards:
             work = args.out / "work"

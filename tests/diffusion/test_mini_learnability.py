@@ -55,3 +55,32 @@ def test_markdown_lists_every_reward_measured():
     }  # fmt: skip
     text = learnability.markdown(report)
     assert "| mini_count | 2 | 0.500 | 75% | 50% |" in text and "| mini_ocr | 0 |" in text
+
+
+def _check(specialist: float, control: float, base: float = 0.2) -> dict:
+    return {"metrics": {"r": {"base": base, "specialist": specialist, "control": control}}}
+
+
+def test_acceptance_needs_both_a_fifth_of_the_headroom_and_two_seed_std():
+    # Gains 0.22, 0.20, 0.24 over base 0.2: mean 0.42 - 0.2 = 0.22 = 27.5% of 0.8.
+    passing = [_check(0.42, 0.20), _check(0.40, 0.22), _check(0.44, 0.18)]
+    verdict = learnability.acceptance(passing, "r")
+    pooled = np.sqrt((np.var([0.42, 0.40, 0.44], ddof=1) + np.var([0.2, 0.22, 0.18], ddof=1)) / 2)
+    assert verdict["gain_share_of_headroom"] == pytest.approx(0.22 / 0.8)
+    assert verdict["separation_in_seed_std"] == pytest.approx(0.22 / pooled)
+    assert verdict["passed"]
+    small = [_check(0.30, 0.20), _check(0.31, 0.21), _check(0.29, 0.19)]  # 12% of headroom
+    assert not learnability.acceptance(small, "r")["passed"]
+    noisy = [_check(0.9, 0.2), _check(0.2, 0.2), _check(0.2, 0.9)]  # big mean, seed noise
+    assert learnability.acceptance(noisy, "r")["gain_share_of_headroom"] >= 0.2
+    assert not learnability.acceptance(noisy, "r")["passed"]
+    assert not learnability.acceptance(passing[:1], "r")["passed"]  # one seed: no std
+
+
+def test_markdown_reports_the_acceptance_verdicts():
+    verdict = learnability.acceptance([_check(0.42, 0.2), _check(0.4, 0.22)], "r")
+    report = {"machine": "test", "acceptance": {"seeds": 2, "epochs": 40, "overrides": [],
+                                               "rewards": {"r": verdict}}}  # fmt: skip
+    text = learnability.markdown(report)
+    assert "## Acceptance test (2 seeds, 40 epochs" in text
+    assert "| r | 0.200 | 0.420 0.400 | 0.200 0.220 | +26% |" in text
