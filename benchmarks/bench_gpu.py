@@ -63,16 +63,18 @@ from common import machine_info, markdown_table
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from mogradient.gradients import flat_gradient, write_gradient
+from mogradient.gradients import accumulate_gradients, flat_gradient, write_gradient
 from mogradient_diffusion import policy as policy_module
 from mogradient_diffusion.config import TrainingConfig, load_config
 from mogradient_diffusion.distributed import World
+from mogradient_diffusion.objectives import StepMetrics, TrainPiece
+from mogradient_diffusion.objectives.nft import NFTRollout
 from mogradient_diffusion.policy import PromptEmbeddings
 from mogradient_diffusion.rewards import Reward, register_reward
 from mogradient_diffusion.rewards.base import Metadata
 from mogradient_diffusion.rollout import rollout, sampler_sigmas
 from mogradient_diffusion.strategies import Strategy, build_strategy
-from mogradient_diffusion.trainer import MicroBatch, Trainer, accumulate_gradients
+from mogradient_diffusion.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "configs" / "sd35m_marble_5r.yaml"
@@ -485,21 +487,25 @@ def training_pass_flops(trainer: Trainer, args: argparse.Namespace, shape: Shape
     policy = trainer.policy
     device = trainer.world.device
     count = len(trainer.reward_names)
-    trainer._rollout_sigmas = sampler_sigmas(args.train_sampling_steps)
-    micro = MicroBatch(
+    batch = NFTRollout(  # one trained timestep per sample: FLOPs of one noise level
+        prompts=["x"] * args.batch,
+        group_ids=torch.zeros(args.batch, dtype=torch.long),
+        images=torch.zeros(args.batch, 3, 1, 1),
         latents=torch.randn(args.batch, *policy.latent_shape(shape.resolution), device=device),
         embeds=policy.encode_prompts(["x"] * args.batch, shape.t5_tokens),
-        advantages=torch.randn(args.batch, count).clamp(-2, 2),
-        sigma_order=torch.full((args.batch, 1), args.train_sampling_steps // 2),
+        sigmas=sampler_sigmas(args.train_sampling_steps),
+        timesteps=1,
     )
-    combined_micro = dataclasses.replace(micro, advantages=micro.advantages[:, :1])
+    piece = TrainPiece(batch, torch.randn(args.batch, count).clamp(-2, 2))
+    combined_piece = dataclasses.replace(piece, advantages=piece.advantages[:, :1])
 
-    def backward(group: MicroBatch, weights: torch.Tensor | None, k: int) -> None:
-        stream = trainer._loss_stream([group], torch.Generator().manual_seed(0))
+    def backward(piece: TrainPiece, weights: torch.Tensor | None, k: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        stream = trainer.objective.losses(policy, [piece], generator, StepMetrics())
         accumulate_gradients(stream, trainer.parameters, weights, k)
 
-    combined = count_flops(lambda: backward(combined_micro, torch.ones(1, dtype=torch.float64), 1))
-    per_objective = count_flops(lambda: backward(micro, None, count))
+    combined = count_flops(lambda: backward(combined_piece, torch.ones(1, dtype=torch.float64), 1))
+    per_objective = count_flops(lambda: backward(piece, None, count))
     trainer.optimizer.zero_grad(set_to_none=True)
     return {
         "combined_per_sample_timestep": combined["flops"] / args.batch,
@@ -527,14 +533,20 @@ class StepTimer:
         self.original = self.trainer.optimizer_step_on
         self.trainer.optimizer_step_on = self
 
-    def __call__(self, group: list[MicroBatch], generator: torch.Generator) -> dict[str, Any]:
-        record, seconds = timed(self.trainer.world.device, lambda: self.original(group, generator))
+    def __call__(
+        self,
+        step: list[TrainPiece],
+        generator: torch.Generator,
+        probe: list[TrainPiece] | None = None,
+    ) -> dict[str, Any]:
+        device = self.trainer.world.device
+        record, seconds = timed(device, lambda: self.original(step, generator, probe))
         self.steps.append(
             {
                 "seconds": seconds,
                 "solved": int(record["solved"]),
                 "fallback": record["fallback"],
-                "sample_timesteps": sum(m.sigma_order.numel() for m in group),
+                "sample_timesteps": sum(len(p) * p.data.timesteps for p in step),
             }
         )
         return record

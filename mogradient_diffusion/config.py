@@ -20,6 +20,9 @@ from typing import Any
 import torch
 import yaml
 
+from mogradient_diffusion.objectives import UnknownObjectiveError, objective_class
+from mogradient_diffusion.policy import DTYPES, LoraSpec
+
 
 class ConfigError(ValueError):
     """A configuration problem, reported before any heavy work starts."""
@@ -31,13 +34,6 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto = cuda when available
     gradient_checkpointing: bool = False
-
-
-@dataclass
-class LoraConfig:
-    rank: int = 32
-    alpha: int = 64
-    dropout: float = 0.0
 
 
 @dataclass
@@ -88,12 +84,22 @@ class TrainConfig:
 
 
 @dataclass
-class NFTSettings:
-    beta: float = 0.1
-    a_max: float = 5.0
-    form: str = "x0_adaptive"  # x0_adaptive | velocity
-    kl_coefficient: float = 1e-4
-    advantage_std: str = "global"  # global | group
+class ObjectiveConfig:
+    """The RL objective and its settings: ``objective: {name: nft, beta: 0.1, ...}``.
+
+    In YAML the options sit beside ``name``; here they are the objective's own frozen
+    settings dataclass (``mogradient_diffusion.objectives``), built and validated by it.
+    """
+
+    name: str = "nft"
+    settings: Any = None  # None: the objective's defaults
+
+    def __post_init__(self) -> None:
+        if self.settings is None:
+            self.settings = objective_class(self.name).settings_type()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **dataclasses.asdict(self.settings)}
 
 
 @dataclass
@@ -148,11 +154,11 @@ class RunConfig:
 @dataclass
 class TrainingConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: LoraSpec = field(default_factory=LoraSpec)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    nft: NFTSettings = field(default_factory=NFTSettings)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     # Modules imported before the rewards are looked up: where user rewards register.
     reward_modules: list[str] = field(default_factory=list)
     rewards: list[RewardConfig] = field(default_factory=list)
@@ -160,7 +166,9 @@ class TrainingConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
+        plain = _plain(dataclasses.asdict(self))
+        plain["objective"] = _plain(self.objective.to_dict())
+        return plain
 
 
 STRATEGIES = ("marble", "weighted_sum", "sequential", "single", "reward_dropout", "pcgrad")
@@ -177,7 +185,6 @@ STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 HARMONIZER_OPTIONS = (*_AMORTIZED, "options")
 SAMPLERS = ("euler", "dpm2", "sde")
-DTYPES = ("float32", "bfloat16", "float16")
 
 TINY_PRESET: dict[str, Any] = {
     "model": {"path": None, "device": "cpu"},
@@ -234,10 +241,8 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
     """Semantic checks that types alone cannot express."""
     rollout, train = config.rollout, config.train
     _check_device("model.device", config.model.device)
-    _choice("model.dtype", config.model.dtype, DTYPES)
+    _choice("model.dtype", config.model.dtype, tuple(DTYPES))
     _choice("rollout.sampler", rollout.sampler, SAMPLERS)
-    _choice("nft.form", config.nft.form, ("x0_adaptive", "velocity"))
-    _choice("nft.advantage_std", config.nft.advantage_std, ("global", "group"))
     _choice("train.old_schedule", train.old_schedule, ("copy", "linear", "delayed_linear"))
     for key, value in [
         ("rollout.resolution", rollout.resolution),
@@ -250,7 +255,6 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
         ("train.gradient_accumulation", train.gradient_accumulation),
         ("train.max_nonfinite_steps", train.max_nonfinite_steps),
         ("rollout.max_sequence_length", rollout.max_sequence_length),
-        ("lora.rank", config.lora.rank),
     ]:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
@@ -260,20 +264,17 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
         raise ConfigError(
             f"train.timestep_fraction must be in (0, 1], got {train.timestep_fraction}"
         )
-    if config.nft.beta <= 0 or config.nft.a_max <= 0:
-        raise ConfigError("nft.beta and nft.a_max must be positive")
     _check_ranges(config)
     _check_batch_arithmetic(config, world_size)
     _check_rewards_and_strategy(config)
+    objective_class(config.objective.name).check_config(config)
 
 
 def _check_ranges(config: TrainingConfig) -> None:
-    train, strategy, run, lora = config.train, config.strategy, config.run, config.lora
+    train, strategy, run = config.train, config.strategy, config.run
     beta1, beta2 = train.adam_betas
     guidance = config.rollout.guidance_scale
     checks = [
-        ("lora.alpha", lora.alpha, lora.alpha > 0, "> 0"),
-        ("lora.dropout", lora.dropout, 0 <= lora.dropout < 1, "in [0, 1)"),
         (
             "train.adam_betas",
             list(train.adam_betas),
@@ -285,7 +286,6 @@ def _check_ranges(config: TrainingConfig) -> None:
         ("train.learning_rate", train.learning_rate, train.learning_rate > 0, "> 0"),
         ("train.grad_clip", train.grad_clip, train.grad_clip > 0, "> 0"),
         ("rollout.guidance_scale", guidance, guidance >= 0, ">= 0"),
-        ("nft.kl_coefficient", config.nft.kl_coefficient, config.nft.kl_coefficient >= 0, ">= 0"),
         ("run.checkpoint_every", run.checkpoint_every, run.checkpoint_every >= 1, ">= 1"),
         ("run.keep_checkpoints", run.keep_checkpoints, run.keep_checkpoints >= 1, ">= 1"),
     ]
@@ -477,16 +477,17 @@ def _parse_override(text: str) -> dict[str, Any]:
 
 
 def _merge_layer(raw: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
-    """``layer`` over ``raw``; naming another strategy drops the options of the old one."""
-    strategy = layer.get("strategy")
-    current = raw.get("strategy")
-    if (
-        isinstance(strategy, dict)
-        and isinstance(current, dict)
-        and "name" in strategy
-        and strategy["name"] != current.get("name", StrategyConfig.name)
-    ):
-        raw = {**raw, "strategy": {}}
+    """``layer`` over ``raw``; naming another strategy or objective drops the options of
+    the one it replaces."""
+    for section, default in (("strategy", StrategyConfig.name), ("objective", "nft")):
+        new, current = layer.get(section), raw.get(section)
+        if (
+            isinstance(new, dict)
+            and isinstance(current, dict)
+            and "name" in new
+            and new["name"] != current.get("name", default)
+        ):
+            raw = {**raw, section: {}}
     return _merge(raw, layer)
 
 
@@ -501,6 +502,8 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
+    """A config dataclass from a mapping; its own ``__post_init__`` checks become
+    ConfigErrors naming the key (their messages start with the field name)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -513,6 +516,28 @@ def _build(cls: type, data: Any, where: str) -> Any:
         return cls(**values)
     except TypeError as error:
         raise ConfigError(f"{where}: {error}") from None
+    except ValueError as error:
+        raise ConfigError(f"{where}.{error}") from None
+
+
+def _build_objective(data: Any, where: str) -> ObjectiveConfig:
+    """``{name, **options}``: the options are checked against the objective's settings."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    options = dict(data)
+    name = options.pop("name", ObjectiveConfig.name)
+    try:
+        settings_type = objective_class(name).settings_type
+    except UnknownObjectiveError as error:
+        raise ConfigError(f"{where}.name: {error}") from None
+    accepted = [item.name for item in dataclasses.fields(settings_type)]
+    unused = sorted(set(options) - set(accepted))
+    if unused:
+        raise ConfigError(
+            f"objective {name!r} does not use {', '.join(f'{where}.{k}' for k in unused)}; "
+            f"remove it (its options: {', '.join(accepted)})"
+        )
+    return ObjectiveConfig(name, _build(settings_type, options, where))
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:
@@ -522,12 +547,18 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
             return None
         options = [arg for arg in args if arg is not type(None)]
         return _convert(options[0], value, where)
+    if hint is ObjectiveConfig:
+        return _build_objective(value, where)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{where} must be a list, got {value!r}")
         return [_convert(args[0], item, f"{where}[{index}]") for index, item in enumerate(value)]
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return tuple(_convert(args[0], item, where) for item in value)
     if origin is tuple:
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise ConfigError(f"{where} must be a list of {len(args)} values, got {value!r}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mogradient import flat_gradient
+from mogradient.gradients import flat_gradient, write_gradient
 
 
 @dataclass
@@ -60,12 +60,7 @@ class World:
         """Mean of ``.grad`` over ranks with one flat all-reduce (missing grads count as 0)."""
         if self.size == 1:
             return
-        flat = self.average(flat_gradient(parameters))
-        offset = 0
-        for parameter in parameters:
-            size = parameter.numel()
-            parameter.grad = flat[offset : offset + size].view_as(parameter).clone()
-            offset += size
+        write_gradient(parameters, self.average(flat_gradient(parameters)))
 
     def broadcast(self, tensor: torch.Tensor, source: int = 0) -> torch.Tensor:
         """Rank ``source``'s value on every rank (a copy on the tensor's device)."""

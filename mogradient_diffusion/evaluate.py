@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from mogradient_diffusion.policy import DTYPES, load_sd3_pipeline
 from mogradient_diffusion.prompts import PromptSource, load_prompt_file
 from mogradient_diffusion.rewards import RewardSet, make_reward
 from mogradient_diffusion.rewards.background import BackgroundScoring
@@ -84,9 +85,6 @@ class EvalSettings:
         resolve_prompt_set(self.prompts)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_prompt_set(name_or_path: str) -> Path:
     """A shipped set's file, or the given path; FileNotFoundError names the choices."""
     if name_or_path in PROMPT_SETS:
@@ -111,7 +109,6 @@ def load_eval_prompts(settings: EvalSettings) -> PromptSource:
 def load_pipeline(settings: EvalSettings):
     """The base pipeline (plus the LoRA), on the evaluation device, progress bars off."""
     from mogradient_diffusion.distributed import World
-    from mogradient_diffusion.policy import load_sd3_pipeline
 
     device = World.from_environment(settings.device).device
     pipeline = load_sd3_pipeline(settings.model, DTYPES[settings.dtype])

@@ -13,58 +13,26 @@ noise - x0, so the implied clean sample is x0_hat = x_t - t * v.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
 from mogradient.objectives import CombinableLoss, masked_mean_coefficients
 
+if TYPE_CHECKING:
+    from mogradient_diffusion.objectives.nft import NFTSettings
+
 NFTForm = Literal["x0_adaptive", "velocity"]
 FORMS: tuple[str, ...] = get_args(NFTForm)
 
 
-def _check_number(name: str, value: float, *, allow_zero: bool = False) -> None:
+def check_number(name: str, value: float, *, allow_zero: bool = False) -> None:
+    """A real, finite, positive (or non-negative) hyper-parameter, else TypeError/ValueError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class NFTConfig:
-    """Hyper-parameters of the NFT loss.
-
-    beta: strength of the implicit branches; the references use 1.0 for a single reward
-        and 0.1 for OCR and multi-reward training (the default here, MARBLE's setting).
-    a_max: advantage clip; r = clip(1/2 + A / (2 a_max), 0, 1).
-    form: "x0_adaptive" (the official code: x0-space squared error over a detached
-        per-sample mean-abs error) or "velocity" (the paper's velocity MSE).
-    kl_coefficient: weight of the squared velocity distance to the reference model; not
-        harmonized. Named apart from ``beta``, which the official config reuses for it.
-    adaptive_weight_floor: lower clip of the adaptive weight, so a perfect prediction
-        does not divide by zero (official value 1e-5).
-    """
-
-    beta: float = 0.1
-    a_max: float = 5.0
-    form: NFTForm = "x0_adaptive"
-    kl_coefficient: float = 1e-4
-    adaptive_weight_floor: float = 1e-5
-
-    def __post_init__(self) -> None:
-        _check_number("beta", self.beta)
-        _check_number("a_max", self.a_max)
-        _check_number("kl_coefficient", self.kl_coefficient, allow_zero=True)
-        _check_number("adaptive_weight_floor", self.adaptive_weight_floor)
-        if self.form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {self.form!r}")
-
-    @property
-    def scale(self) -> float:
-        """The official a_max / beta: the gradient size then does not shrink with beta."""
-        return self.a_max / self.beta
 
 
 def nft_branch_velocities(
@@ -117,7 +85,7 @@ def nft_branch_errors(
     x_t: torch.Tensor,
     x0: torch.Tensor,
     sigmas: torch.Tensor,
-    config: NFTConfig,
+    config: NFTSettings,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample positive and negative branch errors (B each), times ``config.scale``.
 
@@ -143,7 +111,7 @@ def nft_branch_errors(
 
 def nft_ratios(advantages: torch.Tensor, a_max: float) -> torch.Tensor:
     """r = clip(1/2 + A / (2 a_max), 0, 1); NaN (reward not applicable) stays NaN."""
-    _check_number("a_max", a_max)
+    check_number("a_max", a_max)
     return (0.5 + advantages / (2 * a_max)).clamp(0.0, 1.0)
 
 
@@ -154,7 +122,7 @@ def nft_loss(
     x0: torch.Tensor,
     sigmas: torch.Tensor,
     advantages: torch.Tensor,
-    config: NFTConfig,
+    config: NFTSettings,
     v_reference: torch.Tensor | None = None,
     valid_counts: torch.Tensor | None = None,
 ) -> CombinableLoss:

@@ -33,6 +33,8 @@ LORA_TARGETS = (
 )
 LORA_INITS = {"gaussian": "gaussian", "kaiming": True}
 NUM_TRAIN_TIMESTEPS = 1000
+# Config names of the transformer dtypes (model.dtype, eval --dtype).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -510,6 +512,7 @@ def _check_pipeline_dir(path: Path) -> None:
 
 __all__ = [
     "ADAPTERS",
+    "DTYPES",
     "LORA_TARGETS",
     "OLD_DECAY_SCHEDULES",
     "LoraSpec",

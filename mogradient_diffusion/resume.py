@@ -14,13 +14,14 @@ from typing import Any
 
 import yaml
 
-from mogradient_diffusion.config import ConfigError
+from mogradient_diffusion.config import ConfigError, TrainingConfig
 
 # Never part of the comparison: the length of the run, console noise, and the directory
 # itself (a run may be moved).
 FREE = ("train.epochs", "run.quiet", "run.directory")
 # Cached weights, prompt streams, RNG streams and adapter shapes are saved under these.
-FIXED = ("rewards", "strategy", "prompts", "run.seed", "lora.rank", "model.path")
+# The objective's name too: its saved state (an advantage tracker) belongs to it.
+FIXED = ("rewards", "strategy", "prompts", "run.seed", "lora.rank", "model.path", "objective.name")
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple]:
@@ -40,6 +41,7 @@ def check_resume(
     saved: dict[str, Any], current: dict[str, Any], run_dir: Path, allow_change: bool
 ) -> dict[str, tuple]:
     """The changes a resume applies; raises ConfigError (one line) for a refused one."""
+    saved = upgrade_saved_config(saved)
     changes = {key: pair for key, pair in config_changes(saved, current).items() if key not in FREE}
     own_config = run_dir / "config.yaml"
     fixed = [key for key in changes if any(key == f or key.startswith(f + ".") for f in FIXED)]
@@ -57,6 +59,21 @@ def check_resume(
             "run.directory"
         )
     return changes
+
+
+def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A config saved before the objective interface, in today's layout.
+
+    Those runs trained DiffusionNFT from an ``nft:`` section and had no LoRA ``init`` or
+    ``target_modules`` keys; what they ran with is today's defaults for the keys they lack.
+    """
+    if "nft" not in saved and "objective" in saved:
+        return saved
+    defaults = TrainingConfig().to_dict()
+    upgraded = {key: value for key, value in saved.items() if key != "nft"}
+    upgraded["objective"] = {**defaults["objective"], **saved.get("nft", {}), "name": "nft"}
+    upgraded["lora"] = {**defaults["lora"], **saved.get("lora", {})}
+    return upgraded
 
 
 def write_resume_record(

@@ -54,10 +54,15 @@ class Strategy:
         return ["+".join(parts)]
 
     def objective_rewards(self, rewards: torch.Tensor, epoch: int) -> torch.Tensor:
-        """The B x K' matrix whose columns get one advantage estimator each."""
+        """Rewards [..., K] as the strategy's objectives [..., K'] (one advantage each).
+
+        Leading dimensions are kept: per-sample [B, K] and per-step [B, S, K] alike.
+        """
         if self.scalar_weights is None:
             return rewards
-        return weighted_reward(rewards, self._scalar_weights(epoch))[:, None]
+        flat = rewards.reshape(-1, rewards.shape[-1])
+        scalar = weighted_reward(flat, self._scalar_weights(epoch))
+        return scalar.reshape(*rewards.shape[:-1], 1)
 
     def needs_gradients(self) -> bool:
         """Whether the coming optimizer step must compute per-objective gradients."""

@@ -3,6 +3,10 @@
 rollout -> rewards -> advantages -> per-objective gradients or cached weights -> step
 -> old-adapter update -> log / checkpoint.
 
+The RL objective (DiffusionNFT, ...) supplies the rollout, the advantages and the loss
+pieces (``mogradient_diffusion.objectives``); the strategy supplies the weights; the
+gradient plumbing is ``mogradient``'s. Per-epoch data travels as values (``EpochData``).
+
 Randomness is drawn from generators seeded by (seed, rank, epoch, purpose), so a run
 resumed from a checkpoint replays the remaining epochs exactly. Under ``torchrun`` the
 gradients are averaged with explicit collectives (peft's adapter switching flips
@@ -17,6 +21,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +30,10 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from mogradient import MGDA, combinable_gradients, conflict_diagnostics, flat_gradient
-from mogradient.harmonizers.base import combine
+from mogradient import MGDA, conflict_diagnostics, flat_gradient
+from mogradient.distributed import apply_weights
+from mogradient.gradients import accumulate_gradients
 from mogradient.objectives import CombinableLoss
-from mogradient_diffusion.advantages import group_advantages
 from mogradient_diffusion.checkpoint import (
     Restored,
     keep_last,
@@ -37,29 +42,38 @@ from mogradient_diffusion.checkpoint import (
 )
 from mogradient_diffusion.config import ConfigError, TrainingConfig
 from mogradient_diffusion.distributed import World
-from mogradient_diffusion.nft import NFTConfig, nft_loss
-from mogradient_diffusion.policy import LoraSpec, ParameterEMA, Policy, old_decay
+from mogradient_diffusion.objectives import (
+    Objective,
+    RewardView,
+    RolloutData,
+    RolloutRequest,
+    StepMetrics,
+    TrainPiece,
+    build_objective,
+)
+from mogradient_diffusion.policy import DTYPES, ParameterEMA, Policy, old_decay
 from mogradient_diffusion.prompt_setup import build_prompt_sampler
 from mogradient_diffusion.prompts import SampledPrompt
 from mogradient_diffusion.resume import check_resume, write_resume_record
 from mogradient_diffusion.rewards import RewardSet, make_reward
 from mogradient_diffusion.rewards.background import BackgroundScoring
-from mogradient_diffusion.rollout import RolloutBatch, rollout
 from mogradient_diffusion.runlog import RunLog
 from mogradient_diffusion.strategies import Strategy, build_strategy
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LossStream = Iterator[tuple[float, CombinableLoss]]
 
 
-@dataclass
-class MicroBatch:
-    """What one forward pass of the NFT loss needs, cut from the rollout batch."""
+@dataclass(frozen=True)
+class EpochData:
+    """One epoch's rollout and advantages, as values: what its optimizer steps train on.
 
-    latents: torch.Tensor
-    embeds: Any
+    ``advantages`` are the objective's ([B, K'] or [B, S, K']), silent objectives masked;
+    ``reward_advantages`` the same rows' per-reward ones, for the conflict probe.
+    """
+
+    batch: RolloutData
     advantages: torch.Tensor
-    sigma_order: torch.Tensor  # [rows, timesteps]: indices into the sampler's sigmas
-    reward_advantages: torch.Tensor | None = None  # per-reward, for the conflict probe
+    reward_advantages: torch.Tensor | None = None
 
 
 class NonFiniteError(RuntimeError):
@@ -88,7 +102,7 @@ class Trainer:
         torch.manual_seed(config.run.seed)  # same LoRA init everywhere, whatever ran before
         self.policy = Policy.load(
             model_path,
-            LoraSpec(rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout),
+            config.lora,
             device=world.device,
             dtype=DTYPES[config.model.dtype],
             gradient_checkpointing=config.model.gradient_checkpointing,
@@ -107,16 +121,12 @@ class Trainer:
         )
         self.ema = ParameterEMA(self.parameters, decay=train.ema_decay)
         self.rewards.to(world.device)
-        self.nft = NFTConfig(
-            beta=config.nft.beta,
-            a_max=config.nft.a_max,
-            form=config.nft.form,
-            kl_coefficient=config.nft.kl_coefficient,
+        self.objective: Objective = build_objective(
+            config.objective.name, config.objective.settings
         )
         self.epoch = 0
         self.optimizer_step = 0
         self._nonfinite_streak = 0  # consecutive skipped optimizer steps
-        self._reward_advantages: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- run
     def run(self) -> Path:
@@ -169,21 +179,16 @@ class Trainer:
         background = None
         if self.config.rollout.overlap_rewards:
             background = BackgroundScoring(self.rewards, prompts, metadata)
-        batch = rollout(
-            self.policy,
-            [item.prompt for item in drawn],
-            images_per_prompt=self.config.rollout.images_per_prompt,
-            steps=self.config.rollout.steps,
-            guidance_scale=self.config.rollout.guidance_scale,
-            sampler=self.config.rollout.sampler,
-            resolution=self.config.rollout.resolution,
+        request = RolloutRequest(
+            prompts=[item.prompt for item in drawn],
+            metadata=[item.metadata for item in drawn],
+            settings=self.config.rollout,
+            timestep_fraction=self.config.train.timestep_fraction,
             generator=self._generator("rollout"),
-            adapter="old",
-            batch_size=self.config.rollout.batch_size,
-            max_sequence_length=self.config.rollout.max_sequence_length,
             progress=self.world.is_main and not self.config.run.quiet,
             on_images=None if background is None else background.submit,
         )
+        batch = self.objective.rollout(self.policy, request, self._score)
         times["time/rollout"] = time.perf_counter() - started
         started = time.perf_counter()  # overlapped: only the wait after sampling is counted
         if background is not None:
@@ -191,12 +196,11 @@ class Trainer:
         else:
             rewards, reward_seconds = self.rewards(batch.images, prompts, metadata)
         times["time/reward"] = time.perf_counter() - started
-        advantages, stats = self._advantages(rewards, batch)
+        epoch_data, stats = self._advantages(rewards, batch)
         started = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        self._rollout_sigmas = batch.sigmas
-        step_records = self._train_on(batch, advantages)
+        step_records = self._train_on(epoch_data)
         for key in ("time/backward", "time/harmonize", "time/optimizer"):
             times[key] = sum(record[key] for record in step_records)
         times["time/train"] = time.perf_counter() - started
@@ -207,106 +211,156 @@ class Trainer:
         self.policy.update_old(decay)
         return self._epoch_record(rewards, stats, step_records, times, reward_seconds, decay)
 
+    def _score(
+        self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]
+    ) -> torch.Tensor:
+        """Every reward on some images: the scorer objectives get for intermediate states."""
+        return self.rewards(images, prompts, metadata)[0]
+
     # ---------------------------------------------------------- advantages
     def _advantages(
-        self, rewards: torch.Tensor, batch: RolloutBatch
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Advantages from the whole (all-rank) batch, returned for this rank's rows."""
+        self, rewards: torch.Tensor, batch: RolloutData
+    ) -> tuple[EpochData, dict[str, Any]]:
+        """The objective's advantages from the whole (all-rank) batch, for this rank's rows.
+
+        Objectives without a nonzero advantage anywhere are masked (NaN) on every rank.
+        With the conflict probe on, per-reward advantages of the same rows come along.
+        """
         all_rewards = self.world.all_gather_rows(rewards.to(self.world.device)).cpu()
         groups_per_rank = self.config.rollout.prompts_per_epoch // self.world.size
         all_groups = self.world.all_gather_rows(
             (batch.group_ids + self.world.rank * groups_per_rank).to(self.world.device)
         ).cpu()
-        objective_rewards = self.strategy.objective_rewards(all_rewards, self.epoch)
-        advantages, stats = group_advantages(
-            objective_rewards,
-            all_groups,
-            std=self.config.nft.advantage_std,
-            clip=self.config.nft.a_max,
+        epoch = self.epoch
+        view = RewardView(
+            rewards=all_rewards,
+            group_ids=all_groups,
+            rows=slice(self.world.rank * len(rewards), (self.world.rank + 1) * len(rewards)),
+            to_objectives=lambda values: self.strategy.objective_rewards(values, epoch),
+            gather=lambda local: self.world.all_gather_rows(local.to(self.world.device)).cpu(),
         )
-        advantages, silent = mask_silent_objectives(advantages)
-        rows = slice(self.world.rank * len(rewards), (self.world.rank + 1) * len(rewards))
-        self._reward_advantages = None
+        estimated = self.objective.advantages(batch, view)
+        advantages, silent = self._mask_silent(estimated.values)
+        reward_advantages = None
         if self.config.run.conflict_probe:
-            per_reward, _ = group_advantages(
-                all_rewards,
-                all_groups,
-                std=self.config.nft.advantage_std,
-                clip=self.config.nft.a_max,
-            )
-            self._reward_advantages = mask_silent_objectives(per_reward)[0][rows]
-        return advantages[rows], {"all_rewards": all_rewards, "silent": silent, **stats}
+            per_reward = dataclasses.replace(view, to_objectives=lambda values: values)
+            probe = self.objective.advantages(batch, per_reward, probe=True)
+            reward_advantages = self._mask_silent(probe.values)[0]
+        stats = {"all_rewards": all_rewards, "silent": silent.tolist(), **estimated.stats}
+        return EpochData(batch, advantages, reward_advantages), stats
+
+    def _mask_silent(self, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mark objectives whose advantages are all zero (or NaN) on every rank as not
+        applicable: (masked advantages, silent per objective).
+
+        With every advantage zero (e.g. every group got identical rewards) an objective's
+        NFT gradient is only the symmetric pull towards the old policy, which is round-off
+        while default == old; normalize-and-rescale would blow that up to unit size (seen:
+        a raw weight of 1.7e6). As NaN it gets exactly zero coefficients and the
+        harmonizer drops it. Advantages are [..., K]: per sample, or per sample and step.
+        """
+        local = has_signal(advantages).to(torch.float32).to(self.world.device)
+        signal = self.world.average(local).cpu() > 0
+        return mask_objectives(advantages, ~signal), ~signal
 
     # ------------------------------------------------------------ training
-    def _train_on(self, batch: RolloutBatch, advantages: torch.Tensor) -> list[dict[str, Any]]:
-        """All optimizer steps of one epoch."""
+    def _train_on(self, data: EpochData) -> list[dict[str, Any]]:
+        """All optimizer steps of one epoch, on shuffled micro-batches of the rollout."""
         train = self.config.train
         generator = self._generator("train")
-        order = torch.randperm(len(batch.latents), generator=generator)
+        order = torch.randperm(len(data.batch), generator=generator)
         micro = [order[i : i + train.batch_size] for i in range(0, len(order), train.batch_size)]
         records = []
         for first in range(0, len(micro), train.gradient_accumulation):
-            group = [
-                self._micro_batch(batch, advantages, rows, generator)
-                for rows in micro[first : first + train.gradient_accumulation]
-            ]
-            records.append(self.optimizer_step_on(group, generator))
+            rows = micro[first : first + train.gradient_accumulation]
+            step = [TrainPiece(data.batch.rows(r), data.advantages[r]) for r in rows]
+            probe = None
+            if data.reward_advantages is not None:
+                probe = [
+                    TrainPiece(piece.data, data.reward_advantages[r])
+                    for piece, r in zip(step, rows, strict=True)
+                ]
+            records.append(self.optimizer_step_on(step, generator, probe))
         return records
 
     def optimizer_step_on(
-        self, group: list[MicroBatch], generator: torch.Generator
+        self,
+        step: list[TrainPiece],
+        generator: torch.Generator,
+        probe: list[TrainPiece] | None = None,
     ) -> dict[str, Any]:
-        """Accumulate one optimizer step's gradients, harmonize, clip and step."""
-        count = group[0].advantages.shape[1]
-        group, signal = self._mask_silent_in_step(group)
+        """One iteration of MARBLE's Algorithm 1 (any strategy fits the same steps).
+
+        On a solve step: the K per-objective gradients of the step's loss, a fresh solve
+        on them, their weighted sum applied. Otherwise: the cached (or fixed) weights and
+        one combined backward, the same sum without the K gradients. Then clip and step.
+        ``probe``: the same rows with per-reward advantages, for the conflict probe.
+        """
+        count = step[0].advantages.shape[-1]
+        step, signal = self._mask_silent_in_step(step)
         if not signal.any():
             # No objective has an applicable sample with signal: stepping would only let
             # Adam's momentum replay earlier gradients (and the KL pull alone).
             self.optimizer_step += 1
             idle = dict.fromkeys(("time/backward", "time/harmonize", "time/optimizer"), 0.0)
             return idle | {"skipped": "no reward signal", "solved": 0, "weights": [0.0] * count}
-        full = self.strategy.needs_gradients()
-        cached = None
-        if not full:  # weight-only or cached: every rank applies rank 0's weights
-            cached = self.strategy.weights(None, count)
-            cached = dataclasses.replace(cached, weights=self.world.broadcast(cached.weights))
-        probe_noise = generator.get_state() if self.config.run.conflict_probe else None
-        started = time.perf_counter()
-        jacobian = accumulate_gradients(
-            self._loss_stream(group, generator),
-            self.parameters,
-            None if full else cached.weights,
-            count,
-        )
-        record: dict[str, Any] = {"time/backward": time.perf_counter() - started}
-        harmonize_started = time.perf_counter()
-        self.world.average_gradients(self.parameters)
-        if full:
-            jacobian = self.world.average(jacobian)
-            step = self.strategy.weights(jacobian, count)
-            weights = self.world.broadcast(step.weights)
-            direction = combine(jacobian, weights)
-            add_to_gradients(self.parameters, direction)
-            diagnostics = conflict_diagnostics(
-                weights,
-                jacobian=jacobian,
-                direction=direction,
-                dropped=step.harmonization.dropped if step.harmonization else (),
-                fallback=step.fallback,
-            )
-            record.update(
-                {f"harmonize/{k}": v for k, v in diagnostics.items() if not isinstance(v, list)}
-            )
+        replay = generator.get_state() if probe is not None else None
+        metrics = StepMetrics()
+        losses = self.objective.losses(self.policy, step, generator, metrics)
+        if self.strategy.needs_gradients():
+            weights, record = self._solve_step(losses, count)
         else:
-            step = cached
-            weights = step.weights
-        if probe_noise is not None and "harmonize/cos_min" not in record:
-            record.update(self._conflict_probe(group, probe_noise))
-        record["time/harmonize"] = time.perf_counter() - harmonize_started
-        optimizer_started = time.perf_counter()
-        record["solved"] = int(full)
-        record["fallback"] = step.fallback
+            weights, record = self._cached_step(losses, count)
+        record.update({f"objective/{key}": value for key, value in metrics.summary().items()})
+        started = time.perf_counter()
+        if replay is not None and not record["solved"]:
+            record.update(self._conflict_probe(probe, replay))
+        record["time/harmonize"] += time.perf_counter() - started
         record["weights"] = [float(w) for w in weights]
+        started = time.perf_counter()
+        self._apply_step(record)
+        record["time/optimizer"] = time.perf_counter() - started
+        return record
+
+    def _solve_step(self, losses: LossStream, count: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Per-objective gradients (the KL term straight to ``.grad``), solve, apply."""
+        started = time.perf_counter()
+        stack = accumulate_gradients(losses, self.parameters, count=count)
+        record: dict[str, Any] = {"time/backward": time.perf_counter() - started}
+        started = time.perf_counter()
+        self.world.average_gradients(self.parameters)
+        stack = self.world.average(stack)
+        solved = self.strategy.weights(stack, count)
+        weights, direction = apply_weights(self.parameters, stack, solved.weights, accumulate=True)
+        diagnostics = conflict_diagnostics(
+            weights,
+            jacobian=stack,
+            direction=direction,
+            dropped=solved.harmonization.dropped if solved.harmonization else (),
+            fallback=solved.fallback,
+        )
+        record.update(
+            {f"harmonize/{k}": v for k, v in diagnostics.items() if not isinstance(v, list)}
+        )
+        record["time/harmonize"] = time.perf_counter() - started
+        record.update(solved=1, fallback=solved.fallback)
+        return weights, record
+
+    def _cached_step(self, losses: LossStream, count: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Rank 0's cached or fixed weights, and one combined backward per piece."""
+        cached = self.strategy.weights(None, count)
+        weights = self.world.broadcast(cached.weights)
+        started = time.perf_counter()
+        accumulate_gradients(losses, self.parameters, weights)
+        record: dict[str, Any] = {"time/backward": time.perf_counter() - started}
+        started = time.perf_counter()
+        self.world.average_gradients(self.parameters)
+        record["time/harmonize"] = time.perf_counter() - started
+        record.update(solved=0, fallback=cached.fallback)
+        return weights, record
+
+    def _apply_step(self, record: dict[str, Any]) -> None:
+        """Clip, step (or skip a non-finite gradient), refuse non-finite weights."""
         record["grad_norm"] = float(
             torch.nn.utils.clip_grad_norm_(self.parameters, self.config.train.grad_clip)
         )
@@ -325,8 +379,6 @@ class Trainer:
                 "stopped before checkpointing them"
             )
         self.optimizer_step += 1
-        record["time/optimizer"] = time.perf_counter() - optimizer_started
-        return record
 
     def _skip_nonfinite_step(self) -> None:
         """Log a skipped step; stop after ``train.max_nonfinite_steps`` in a row."""
@@ -346,21 +398,20 @@ class Trainer:
         if self.world.is_main:
             tqdm.write(f"mogradient-diffusion: warning: {message}", file=sys.stderr)
 
-    def _conflict_probe(self, group: list[MicroBatch], noise_state: torch.Tensor) -> dict:
+    def _conflict_probe(self, probe: list[TrainPiece], replay: torch.Tensor) -> dict:
         """cos(applied update, g_k) for every reward, on the step's own samples and noise.
 
         For steps that did not compute per-reward gradients (scalar baselines, cached
-        MARBLE steps): K more gradients from per-reward advantages, replaying the noise the
-        step drew, against the gradient about to be applied (``.grad``, KL term included).
+        MARBLE steps): K more gradients from per-reward advantages, replaying the step's
+        loss stream from its generator state, against the gradient about to be applied
+        (``.grad``, KL term included).
         """
         generator = torch.Generator()
-        generator.set_state(noise_state)
-        probe = [dataclasses.replace(m, advantages=m.reward_advantages) for m in group]
+        generator.set_state(replay)
         probe, _ = self._mask_silent_in_step(probe)
-        count = probe[0].advantages.shape[1]
-        stack = accumulate_gradients(
-            self._loss_stream(probe, generator), self.parameters, None, count, apply_extra=False
-        )
+        count = probe[0].advantages.shape[-1]
+        losses = self.objective.losses(self.policy, probe, generator, StepMetrics())
+        stack = accumulate_gradients(losses, self.parameters, count=count, apply_extra=False)
         stack = self.world.average(stack)
         direction = flat_gradient(self.parameters).float()
         diagnostics = conflict_diagnostics(torch.ones(count), jacobian=stack, direction=direction)
@@ -393,97 +444,19 @@ class Trainer:
             "stale/fresh_cos_min": float(fresh_diagnostics["cos_min"]),
         }
 
-    def _mask_silent_in_step(
-        self, group: list[MicroBatch]
-    ) -> tuple[list[MicroBatch], torch.Tensor]:
+    def _mask_silent_in_step(self, step: list[TrainPiece]) -> tuple[list[TrainPiece], torch.Tensor]:
         """Per step, as per epoch: objectives with no nonzero advantage on any rank sit out.
 
-        Returns the masked group and which objectives have signal (the same on every rank).
+        Returns the masked pieces and which objectives have signal (the same on every rank).
         """
-        rows = torch.cat([micro.advantages for micro in group])
-        signal = (rows.nan_to_num(0.0) != 0).any(dim=0).to(torch.float32).to(self.world.device)
-        signal = self.world.average(signal).cpu() > 0
-        if signal.all():
-            return group, signal
-        masked = []
-        for micro in group:
-            advantages = micro.advantages.clone()
-            advantages[:, ~signal] = float("nan")
-            masked.append(dataclasses.replace(micro, advantages=advantages))
-        return masked, signal
-
-    def _loss_stream(self, group: list[MicroBatch], generator: torch.Generator):
-        """Yield (scale, CombinableLoss) for every micro-batch x training timestep.
-
-        Each reward's loss is its mean over the step's applicable samples (not a mean of
-        micro-batch means) and the KL term the step's mean, so the step's gradient does
-        not depend on how it is cut into micro-batches; timesteps are averaged.
-        """
-        sigmas = self._sigmas
-        valid_counts = sum((~torch.isnan(micro.advantages)).sum(dim=0) for micro in group)
-        total_rows = sum(len(micro.latents) for micro in group)
-        for micro in group:
-            columns = micro.sigma_order.shape[1]
-            share = len(micro.latents) / total_rows
-            for column in range(columns):
-                sigma = sigmas[micro.sigma_order[:, column]].to(micro.latents)
-                noise = torch.randn(micro.latents.shape, generator=generator).to(micro.latents)
-                shaped = sigma.view(-1, *([1] * (micro.latents.ndim - 1)))
-                noisy = (1 - shaped) * micro.latents + shaped * noise
-                loss = self._nft_loss(micro, noisy, sigma, valid_counts)
-                if loss.extra is not None:
-                    loss = dataclasses.replace(loss, extra=loss.extra * share)
-                yield 1.0 / columns, loss
-
-    def _nft_loss(
-        self,
-        micro: MicroBatch,
-        noisy: torch.Tensor,
-        sigma: torch.Tensor,
-        valid_counts: torch.Tensor,
-    ) -> CombinableLoss:
-        v_old = self.policy.velocity(noisy, sigma, micro.embeds, adapter="old")
-        v_reference = None
-        if self.nft.kl_coefficient > 0:
-            v_reference = self.policy.velocity(noisy, sigma, micro.embeds, adapter="reference")
-        v_theta = self.policy.velocity(noisy, sigma, micro.embeds, adapter="default")
-        return nft_loss(
-            v_theta,
-            v_old,
-            noisy,
-            micro.latents,
-            sigma,
-            micro.advantages,
-            self.nft,
-            v_reference=v_reference,
-            valid_counts=valid_counts,
-        )
-
-    def _micro_batch(
-        self,
-        batch: RolloutBatch,
-        advantages: torch.Tensor,
-        rows: torch.Tensor,
-        generator: torch.Generator,
-    ) -> MicroBatch:
-        steps = self.config.rollout.steps
-        # int(), as the reference trainers: 0.99 x 10 steps trains 9 timesteps.
-        count = max(1, int(self.config.train.timestep_fraction * steps))
-        order = torch.stack([torch.randperm(steps, generator=generator)[:count] for _ in rows])
-        return MicroBatch(
-            latents=batch.latents[rows].to(self.world.device),
-            embeds=batch.embeds.index(rows),
-            advantages=advantages[rows],
-            sigma_order=order,
-            reward_advantages=(
-                None if self._reward_advantages is None else self._reward_advantages[rows]
-            ),
-        )
-
-    @property
-    def _sigmas(self) -> torch.Tensor:
-        """The noise levels the rollout sampled at (the final 0 excluded): the training grid."""
-        return self._rollout_sigmas[:-1]
+        _, silent = self._mask_silent(torch.cat([piece.advantages for piece in step]))
+        if not silent.any():
+            return step, ~silent
+        masked = [
+            dataclasses.replace(piece, advantages=mask_objectives(piece.advantages, silent))
+            for piece in step
+        ]
+        return masked, ~silent
 
     # ------------------------------------------------------------- helpers
     def _epoch_prompts(self) -> list[SampledPrompt]:
@@ -559,6 +532,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "ema": self.ema.state_dict(),
             "strategy": self.strategy.state_dict(),
+            "objective": self.objective.state_dict(),
             "sampler": self.sampler.state_dict(),
             "config": self.config.to_dict(),
         }
@@ -598,6 +572,7 @@ class Trainer:
         self.ema.load_state_dict(state["ema"])
         self.ema.decay = train.ema_decay
         self.strategy.load_state_dict(state["strategy"])
+        self.objective.load_state_dict(state.get("objective", {}))  # none saved before 12
         self.sampler.load_state_dict(state["sampler"])
         self.epoch = int(state["epoch"])
         self.optimizer_step = int(state["optimizer_step"])
@@ -659,56 +634,13 @@ def _number(value: Any) -> float:
     return float(value) if isinstance(value, int | float) else float("nan")
 
 
-def mask_silent_objectives(advantages: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
-    """Mark objectives whose advantages are all zero (or NaN) as not applicable this epoch.
+def has_signal(advantages: torch.Tensor) -> torch.Tensor:
+    """Per objective (last dimension): whether any advantage is nonzero (NaN counts as 0)."""
+    return (advantages.nan_to_num(0.0) != 0).flatten(0, -2).any(dim=0)
 
-    With every advantage zero (e.g. every group got identical rewards) an objective's NFT
-    gradient is only the symmetric pull towards the old policy, which is round-off while
-    default == old; normalize-and-rescale would blow that up to unit size (seen: a raw
-    weight of 1.7e6). As NaN it gets exactly zero coefficients and the harmonizer drops it.
-    """
-    signal = (advantages.nan_to_num(0.0) != 0).any(dim=0)
+
+def mask_objectives(advantages: torch.Tensor, silent: torch.Tensor) -> torch.Tensor:
+    """The advantages with every objective marked in ``silent`` set to NaN (not applicable)."""
     masked = advantages.clone()
-    masked[:, ~signal] = float("nan")
-    return masked, (~signal).tolist()
-
-
-def accumulate_gradients(
-    losses: Any,
-    parameters: list[torch.Tensor],
-    weights: torch.Tensor | None,
-    count: int,
-    apply_extra: bool = True,
-) -> torch.Tensor | None:
-    """Sum ``scale * grad`` over a stream of (scale, CombinableLoss).
-
-    With ``weights`` (a cached or weight-only step) every loss is combined first and one
-    backward accumulates ``sum_k w_k g_k`` into ``.grad``. Without, the K per-objective
-    gradients are accumulated into a K x D stack (returned) and only the non-harmonized
-    ``extra`` term (KL) goes to ``.grad`` (left out with ``apply_extra=False``, for
-    measurements that must not touch ``.grad``). Both paths are exact for the same weights.
-    """
-    stack = None
-    for scale, loss in losses:
-        if weights is not None:
-            (loss.combined(weights) * scale).backward()
-            continue
-        extra = loss.extra if apply_extra else None
-        part = combinable_gradients(loss, parameters, retain_graph=extra is not None)
-        stack = part * scale if stack is None else stack.add_(part, alpha=scale)
-        if extra is not None:
-            (extra * scale).backward()
-    if weights is None and stack is None:
-        total = sum(parameter.numel() for parameter in parameters)
-        stack = torch.zeros(count, total, device=parameters[0].device)
-    return stack
-
-
-def add_to_gradients(parameters: list[torch.Tensor], direction: torch.Tensor) -> None:
-    """``.grad += direction`` (flat), creating gradients where none exist yet."""
-    offset = 0
-    for parameter in parameters:
-        size = parameter.numel()
-        piece = direction[offset : offset + size].view_as(parameter).to(parameter.dtype)
-        parameter.grad = piece.clone() if parameter.grad is None else parameter.grad + piece
-        offset += size
+    masked[..., silent] = float("nan")
+    return masked

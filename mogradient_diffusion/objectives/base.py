@@ -86,7 +86,11 @@ class RolloutRequest:
     """What the trainer asks to be sampled on this rank this epoch.
 
     ``prompts`` and ``metadata`` hold one entry per prompt group (each sampled
-    ``settings.images_per_prompt`` times). ``generator`` is the epoch's rollout
+    ``settings.images_per_prompt`` times). ``timestep_fraction`` is the share of the
+    ``settings.steps`` sampling steps to train on (``train.timestep_fraction``; the
+    references train ``int(fraction x steps)`` of them): an objective that needs
+    per-step values keeps them for those steps only, and records on its rollout data
+    what its losses need to know. ``generator`` is the epoch's rollout
     generator: draw all sampling noise from it, so a resumed run replays the epoch.
     ``on_images(rows, images)`` (when given) must be called with each chunk's final
     images as soon as they exist, so the rewards can score them while sampling goes on.
@@ -95,6 +99,7 @@ class RolloutRequest:
     prompts: list[str]
     metadata: list[dict[str, Any]]
     settings: RolloutConfig
+    timestep_fraction: float
     generator: torch.Generator
     progress: bool = False
     on_images: Callable[[slice, torch.Tensor], object] | None = None
@@ -109,8 +114,8 @@ class RewardView:
     ``to_objectives`` is the strategy's map from the K rewards to its K' objectives
     (identity for MARBLE and harmonizers, a weighted sum for the scalar baselines),
     applicable to any [..., K] tensor (SDPO's dense [B, S, K] rewards too). ``gather``
-    concatenates a per-rank tensor's rows over all ranks (the identity on one process),
-    for statistics an objective computes from its own rollout values.
+    concatenates a per-rank tensor's rows over all ranks, returned on the CPU (the
+    identity on one process), for statistics of an objective's own rollout values.
     """
 
     rewards: torch.Tensor

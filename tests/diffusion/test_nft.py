@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from mogradient_diffusion.nft import (
-    NFTConfig,
     nft_branch_errors,
     nft_branch_velocities,
     nft_loss,
     nft_ratios,
 )
+from mogradient_diffusion.objectives.nft import NFTSettings
 
 FORMS = ("x0_adaptive", "velocity")
 SHAPE = (2, 3, 3)
@@ -56,7 +56,7 @@ def _batch(dtype: torch.dtype = torch.float64, seed: int = 0) -> dict:
     return data
 
 
-def _loss(data: dict, config: NFTConfig, with_reference: bool = False):
+def _loss(data: dict, config: NFTSettings, with_reference: bool = False):
     return nft_loss(
         data["v_theta"],
         data["v_old"],
@@ -69,7 +69,7 @@ def _loss(data: dict, config: NFTConfig, with_reference: bool = False):
     )
 
 
-def _reference_loss(data: dict, reward: int, config: NFTConfig) -> torch.Tensor:
+def _reference_loss(data: dict, reward: int, config: NFTSettings) -> torch.Tensor:
     """One reward's NFT loss: mean over its valid samples of r * P + (1 - r) * N."""
     advantage = data["advantages"][:, reward]
     keep = ~torch.isnan(advantage)
@@ -95,7 +95,7 @@ def _reference_loss(data: dict, reward: int, config: NFTConfig) -> torch.Tensor:
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("beta", [1.0, 0.1])
 def test_objective_losses_match_per_reward_formula(form: str, beta: float) -> None:
-    data, config = _batch(), NFTConfig(beta=beta, form=form)
+    data, config = _batch(), NFTSettings(beta=beta, form=form)
     losses = _loss(data, config).objective_losses()
     expected = torch.stack([_reference_loss(data, k, config) for k in range(3)])
     torch.testing.assert_close(losses, expected, rtol=1e-6, atol=0)
@@ -106,7 +106,7 @@ def test_objective_losses_match_per_reward_formula(form: str, beta: float) -> No
 def test_combined_gradient_is_weighted_sum_of_per_reward_gradients(
     form: str, with_reference: bool
 ) -> None:
-    data, config = _batch(seed=1), NFTConfig(form=form, kl_coefficient=0.05)
+    data, config = _batch(seed=1), NFTSettings(form=form, kl_coefficient=0.05)
     loss = _loss(data, config, with_reference)
     v_theta = data["v_theta"]
     per_reward = [
@@ -131,7 +131,7 @@ def test_identical_policies_make_the_branches_coincide(form: str) -> None:
     t = data["sigmas"].view(-1, 1, 1, 1)
     torch.testing.assert_close(data["x_t"] - t * positive_v, data["x_t"] - t * negative_v)
     positive, negative = nft_branch_errors(
-        v_old.clone(), v_old, data["x_t"], data["x0"], data["sigmas"], NFTConfig(form=form)
+        v_old.clone(), v_old, data["x_t"], data["x0"], data["sigmas"], NFTSettings(form=form)
     )
     torch.testing.assert_close(positive, negative)
 
@@ -139,7 +139,7 @@ def test_identical_policies_make_the_branches_coincide(form: str) -> None:
 @pytest.mark.parametrize("form", FORMS)
 def test_descent_moves_toward_the_target_for_positive_advantage(form: str) -> None:
     data = _tensors(1, torch.float64, seed=3)
-    config = NFTConfig(beta=0.1, form=form)
+    config = NFTSettings(beta=0.1, form=form)
     direction = data["noise"] - data["x0"] - data["v_old"]  # from v_old toward the target
     eps = 1e-4
 
@@ -167,7 +167,7 @@ def test_descent_moves_toward_the_target_for_positive_advantage(form: str) -> No
 
 
 def test_kl_extra_is_the_scaled_velocity_distance_to_the_reference() -> None:
-    data, config = _batch(), NFTConfig(kl_coefficient=1e-3)
+    data, config = _batch(), NFTSettings(kl_coefficient=1e-3)
     assert _loss(data, config).extra is None
     extra = _loss(data, config, with_reference=True).extra
     expected = 1e-3 * ((data["v_theta"] - data["v_reference"]) ** 2).mean()
@@ -189,7 +189,7 @@ def test_ratios_keep_nan_and_clamp() -> None:
 def test_reward_without_valid_samples_has_zero_loss_and_gradient() -> None:
     data = _batch()
     data["advantages"][:, 1] = float("nan")
-    loss = _loss(data, NFTConfig())
+    loss = _loss(data, NFTSettings())
     assert loss.objective_losses()[1] == 0
     (gradient,) = torch.autograd.grad(loss.combined([0.0, 1.0, 0.0]), data["v_theta"])
     assert not gradient.any()
@@ -198,7 +198,7 @@ def test_reward_without_valid_samples_has_zero_loss_and_gradient() -> None:
 def test_low_precision_inputs_give_float32_terms() -> None:
     data = _batch(dtype=torch.bfloat16)
     data["v_theta"] = data["v_theta"].detach().requires_grad_()
-    loss = _loss(data, NFTConfig(), with_reference=True)
+    loss = _loss(data, NFTSettings(), with_reference=True)
     assert loss.terms.dtype == torch.float32 and torch.isfinite(loss.terms).all()
     loss.combined([1.0, 1.0, 1.0]).backward()
     assert data["v_theta"].grad.dtype == torch.bfloat16
@@ -213,13 +213,14 @@ def test_low_precision_inputs_give_float32_terms() -> None:
         ({"kl_coefficient": -1e-4}, "kl_coefficient must be finite and >= 0"),
         ({"adaptive_weight_floor": 0.0}, "adaptive_weight_floor must be finite and > 0"),
         ({"form": "x0"}, "form must be one of"),
+        ({"advantage_std": "batch"}, "advantage_std must be one of"),
     ],
 )
 def test_config_validation(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        NFTConfig(**kwargs)
+        NFTSettings(**kwargs)
     with pytest.raises(TypeError, match="beta must be a real number"):
-        NFTConfig(beta="0.1")  # type: ignore[arg-type]
+        NFTSettings(beta="0.1")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -237,18 +238,18 @@ def test_input_validation(change, message: str) -> None:
     data = _batch()
     change(data)
     with pytest.raises(ValueError, match=message):
-        _loss(data, NFTConfig(), with_reference=True)
+        _loss(data, NFTSettings(), with_reference=True)
 
 
 def test_velocity_form_rejects_t_zero() -> None:
     data = _batch()
     data["sigmas"][3] = 0.0
-    _loss(data, NFTConfig(form="x0_adaptive"))  # the x0 form is defined at t = 0
+    _loss(data, NFTSettings(form="x0_adaptive"))  # the x0 form is defined at t = 0
     with pytest.raises(ValueError, match=r"sigmas must lie in \(0, 1\]"):
-        _loss(data, NFTConfig(form="velocity"))
+        _loss(data, NFTSettings(form="velocity"))
 
 
-def _piece_losses(data: dict, rows: slice, config: NFTConfig, counts=None) -> torch.Tensor:
+def _piece_losses(data: dict, rows: slice, config: NFTSettings, counts=None) -> torch.Tensor:
     piece = {key: value[rows] for key, value in data.items()}
     loss = nft_loss(
         piece["v_theta"],
@@ -268,7 +269,7 @@ def test_micro_batches_with_whole_batch_counts_sum_to_the_batch_loss(cuts: list[
     """Gradient accumulation is exact: pieces normalized by the whole batch's valid counts
     add up to the whole batch's per-reward means, however the batch is cut (some pieces
     hold a single applicable sample of a reward: it must not get that reward's weight)."""
-    config = NFTConfig()
+    config = NFTSettings()
     data = _batch()
     whole = _loss(data, config).objective_losses()
     counts = (~torch.isnan(data["advantages"])).sum(dim=0)

@@ -14,12 +14,14 @@ from typing import Any
 import pytest
 import torch
 
+from mogradient.gradients import accumulate_gradients
 from mogradient.harmonizers.base import combine
 from mogradient_diffusion.cli import main
 from mogradient_diffusion.config import load_config
 from mogradient_diffusion.distributed import World
+from mogradient_diffusion.objectives import RolloutRequest, StepMetrics, TrainPiece
 from mogradient_diffusion.runlog import read_metrics
-from mogradient_diffusion.trainer import Trainer, accumulate_gradients
+from mogradient_diffusion.trainer import Trainer
 
 FAST = ["run.quiet=true", "train.epochs=2"]
 
@@ -66,21 +68,24 @@ def test_marble_tiny_run_writes_metrics_plots_and_a_diffusers_lora(tmp_path: Pat
 
 def _trainer_and_rollout(tmp_path: Path) -> tuple[Trainer, Any]:
     """A tiny-preset trainer and one rollout of 8 images (2 prompts x 4) to train on."""
-    from mogradient_diffusion.rollout import rollout
-
     config = load_config(preset="tiny", overrides=[f"run.directory={tmp_path}", "run.quiet=true"])
     trainer = Trainer(config, World(rank=0, size=1, device=torch.device("cpu")))
-    batch = rollout(
-        trainer.policy,
-        [item.prompt for item in trainer._epoch_prompts()],
-        images_per_prompt=4,
-        steps=4,
-        resolution=64,
+    drawn = trainer._epoch_prompts()
+    request = RolloutRequest(
+        prompts=[item.prompt for item in drawn],
+        metadata=[item.metadata for item in drawn],
+        settings=config.rollout,
+        timestep_fraction=config.train.timestep_fraction,
         generator=torch.Generator().manual_seed(0),
-        max_sequence_length=32,
     )
-    trainer._rollout_sigmas = batch.sigmas
+    batch = trainer.objective.rollout(trainer.policy, request, trainer._score)
+    assert len(batch) == 8
     return trainer, batch
+
+
+def _whole_batch(batch: Any, advantages: torch.Tensor) -> list[TrainPiece]:
+    """One optimizer step of one micro-batch holding every row."""
+    return [TrainPiece(batch.rows(torch.arange(len(batch))), advantages)]
 
 
 def test_full_solve_and_cached_paths_apply_the_same_gradient(tmp_path: Path) -> None:
@@ -96,11 +101,11 @@ def test_full_solve_and_cached_paths_apply_the_same_gradient(tmp_path: Path) -> 
 
     def gradient(per_objective: bool) -> torch.Tensor:
         generator = torch.Generator().manual_seed(1)
-        group = [trainer._micro_batch(batch, advantages, torch.arange(8), generator)]
+        step = _whole_batch(batch, advantages)
         for parameter in trainer.parameters:
             parameter.grad = None
         stack = accumulate_gradients(
-            trainer._loss_stream(group, generator),
+            trainer.objective.losses(trainer.policy, step, generator, StepMetrics()),
             trainer.parameters,
             None if per_objective else weights,
             2,
@@ -174,14 +179,10 @@ def test_a_step_without_reward_signal_leaves_the_weights_alone(tmp_path: Path) -
     trainer, batch = _trainer_and_rollout(tmp_path)
     generator = torch.Generator().manual_seed(1)
     signal = torch.tensor([[1.0, -1.0], [-1.0, 1.0]]).repeat(4, 1)
-    trainer.optimizer_step_on(
-        [trainer._micro_batch(batch, signal, torch.arange(8), generator)], generator
-    )
+    trainer.optimizer_step_on(_whole_batch(batch, signal), generator)
     before = [parameter.detach().clone() for parameter in trainer.parameters]
     silent = torch.full((8, 2), float("nan"))
-    record = trainer.optimizer_step_on(
-        [trainer._micro_batch(batch, silent, torch.arange(8), generator)], generator
-    )
+    record = trainer.optimizer_step_on(_whole_batch(batch, silent), generator)
     assert record["skipped"] == "no reward signal"
     for old, new in zip(before, trainer.parameters, strict=True):
         assert torch.equal(old, new)
@@ -213,7 +214,7 @@ def test_conflict_probe_measures_without_changing_the_run(tmp_path: Path) -> Non
 
 def test_conflict_probe_of_a_single_reward_run_is_parallel_to_its_update(tmp_path: Path) -> None:
     # Without the KL term the single-reward update is exactly that reward's gradient.
-    overrides = ["strategy.reward=jpeg_incompressibility", "nft.kl_coefficient=0"]
+    overrides = ["strategy.reward=jpeg_incompressibility", "objective.kl_coefficient=0"]
     records = read_metrics(
         _run(tmp_path, "strategy.name=single", *overrides, "run.conflict_probe=true")
     )
@@ -262,7 +263,7 @@ def test_shipped_recipes_validate(recipe: Path) -> None:
             config = load_config(recipe, world_size=world_size)
     else:
         config = load_config(recipe, world_size=world_size)
-    assert config.rollout.images_per_prompt == 24 and config.nft.beta == 0.1
+    assert config.rollout.images_per_prompt == 24 and config.objective.settings.beta == 0.1
 
 
 def _command(run_dir: Path, *extra: str) -> list[str]:
@@ -360,7 +361,9 @@ def test_killed_run_resumes_and_reproduces_the_uninterrupted_one(tmp_path: Path)
         ("run.keep_checkpoints=0", "run.keep_checkpoints"),
         ("train.old_cap=1.0", "train.old_cap"),
         ("train.ema_decay=1.5", "train.ema_decay"),
-        ("nft.kl_coefficient=-1", "nft.kl_coefficient"),
+        ("objective.kl_coefficient=-1", "objective.kl_coefficient"),
+        ("objective.eps=0.1", "objective 'nft' does not use .*objective.eps"),
+        ("objective.name=nosuch", "unknown objective 'nosuch'"),
         ("strategy.dropout_probability=2", "strategy.dropout_probability"),
         ("strategy.weights=[0, 0]", "strategy.weights"),
         ("rewards=[{name: nosuch}]", "unknown reward"),

@@ -28,7 +28,7 @@ from .conftest import train_arguments
     "overrides",
     [
         ["train.learning_rate=.inf"],
-        ["nft.beta=.nan"],
+        ["objective.beta=.nan"],
         ["train.adam_betas=[0.9, .nan]"],
         ["strategy.rho=-.inf"],
         ["strategy.name=weighted_sum", "strategy.weights=[1, .inf]"],
