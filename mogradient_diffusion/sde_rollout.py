@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from mogradient_diffusion.policy import Policy, PromptEmbeddings
+from mogradient_diffusion.rollout import sampler_sigmas
 from mogradient_diffusion.sde import gaussian_log_prob, sde_sample, sde_step_statistics
+
+if TYPE_CHECKING:
+    from mogradient_diffusion.objectives.base import RolloutRequest
 
 VelocityFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -41,6 +46,101 @@ class SDETrajectories:
     sigmas: Tensor
     final: Tensor
     predicted_x0: Tensor | None = None
+
+
+@dataclass
+class SampledRequest:
+    """A rollout request sampled with the ``old`` adapter: trajectories and their conditioning.
+
+    ``embeds`` and ``negative`` (CFG's unconditional rows, None without CFG) hold one row
+    per sample; the training forward must use the same ones to reproduce log p_old.
+    """
+
+    trajectories: SDETrajectories
+    embeds: PromptEmbeddings
+    negative: PromptEmbeddings | None
+    images: Tensor
+    prompts: list[str]
+    metadata: list[dict]
+    group_ids: Tensor
+
+
+def sample_request(
+    policy: Policy,
+    request: RolloutRequest,
+    noise: Tensor,
+    eta: float,
+    sde_steps: Sequence[int],
+    recorded_steps: Sequence[int],
+    record_x0: bool = False,
+) -> SampledRequest:
+    """Sample ``request`` from x_T = ``noise`` (one row per image) in chunks of the rollout
+    batch size, per-step noise drawn from the request's generator, without gradients.
+
+    ``request.on_images`` gets each chunk's decoded final images as soon as they exist.
+    """
+    settings = request.settings
+    per_image = settings.images_per_prompt
+    total = len(request.prompts) * per_image
+    shape = (total, *policy.latent_shape(settings.resolution))
+    if tuple(noise.shape) != shape:
+        raise ValueError(f"noise must have shape {shape}, got {tuple(noise.shape)}")
+    sigmas = sampler_sigmas(settings.steps, policy.pipeline.scheduler.config.shift)
+    length = settings.max_sequence_length
+    embeds = policy.encode_prompts(request.prompts, length).repeat_interleave(per_image)
+    negative = None
+    if settings.guidance_scale != 1.0:
+        negative = policy.encode_prompts([""], length).repeat_interleave(total)
+    chunk = settings.batch_size or total
+    parts, images = [], []
+    with torch.no_grad():
+        for start in range(0, total, chunk):
+            rows = slice(start, start + chunk)
+            uncond = None if negative is None else negative.index(rows)
+            velocity = guided_velocity(
+                policy, embeds.index(rows), uncond, settings.guidance_scale, "old"
+            )
+            part = sample_sde(
+                velocity,
+                noise[rows].to(policy.device),
+                sigmas,
+                eta,
+                sde_steps,
+                recorded_steps,
+                request.generator,
+                record_x0,
+            )
+            parts.append(part)
+            images.append(policy.decode(part.final))
+            if request.on_images is not None:
+                request.on_images(rows, images[-1])
+    return SampledRequest(
+        trajectories=_concatenate(parts),
+        embeds=embeds,
+        negative=negative,
+        images=torch.cat(images),
+        prompts=[p for p in request.prompts for _ in range(per_image)],
+        metadata=[m for m in request.metadata for _ in range(per_image)],
+        group_ids=torch.arange(len(request.prompts)).repeat_interleave(per_image),
+    )
+
+
+def _concatenate(parts: list[SDETrajectories]) -> SDETrajectories:
+    """Chunks of one rollout (same steps and schedule) as one batch."""
+
+    def cat(name: str) -> Tensor | None:
+        values = [getattr(part, name) for part in parts]
+        return None if values[0] is None else torch.cat(values)
+
+    return SDETrajectories(
+        latents=cat("latents"),
+        next_latents=cat("next_latents"),
+        log_probs=cat("log_probs"),
+        steps=parts[0].steps,
+        sigmas=parts[0].sigmas,
+        final=cat("final"),
+        predicted_x0=cat("predicted_x0"),
+    )
 
 
 def flow_grpo_steps(
@@ -191,8 +291,10 @@ def _check_steps(
 
 __all__ = [
     "SDETrajectories",
+    "SampledRequest",
     "flow_grpo_steps",
     "guided_velocity",
     "paired_noise",
+    "sample_request",
     "sample_sde",
 ]

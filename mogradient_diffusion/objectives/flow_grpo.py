@@ -12,13 +12,38 @@ mu_ref)^2 / (2 sigma_t^2)), is not harmonized: it goes in ``extra``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 
 from mogradient.objectives import CombinableLoss, masked_mean_coefficients
 from mogradient_diffusion.advantages import group_advantages
+from mogradient_diffusion.objectives.base import (
+    Advantages,
+    RewardView,
+    RolloutRequest,
+    Scorer,
+    Stateless,
+    StepMetrics,
+    TrainPiece,
+)
+from mogradient_diffusion.objectives.step_rollout import (
+    RatioTracker,
+    StepRollout,
+    check_step_objective_config,
+    config_error,
+    reference_step_mean,
+    rescore_step,
+    step_rollout,
+)
+from mogradient_diffusion.policy import Policy
+from mogradient_diffusion.sde_rollout import flow_grpo_steps, sample_request
+
+if TYPE_CHECKING:
+    from mogradient_diffusion.config import TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -143,24 +168,90 @@ def kl_to_reference(mean: Tensor, reference_mean: Tensor, noise_scale: Tensor) -
     return squared / (2 * noise_scale.detach().reshape(-1).to(squared.dtype) ** 2)
 
 
-def ratio_metrics(log_probs: Tensor, old_log_probs: Tensor, clip_range: float) -> dict[str, float]:
-    """What users of the references ask for: how far the ratio is from 1 and how much clips.
+class FlowGRPOObjective(Stateless):
+    """Flow-GRPO (Liu et al. 2025) for K rewards: SDE rollouts, clipped ratios, KL in extra."""
 
-    ``max_abs_ratio_minus_one`` must be ~0 on the first optimizer step after a rollout
-    (the policy has not moved yet): a larger value means the training forward does not
-    reproduce the sampler's (precision, CFG, a lagged sampling adapter).
-    """
-    with torch.no_grad():
-        log_ratio = (log_probs - old_log_probs).double()
-        ratio = log_ratio.exp()
-        return {
-            "ratio_mean": ratio.mean().item(),
-            "ratio_std": ratio.std(unbiased=False).item(),
-            "max_abs_ratio_minus_one": (ratio - 1).abs().max().item(),
-            "clip_fraction_above": (ratio - 1 > clip_range).double().mean().item(),
-            "clip_fraction_below": (1 - ratio > clip_range).double().mean().item(),
-            "approx_kl": 0.5 * log_ratio.square().mean().item(),
-        }
+    name: ClassVar[str] = "flow_grpo"
+    settings_type: ClassVar[type] = FlowGRPOSettings
+    sampler = "sde"
+
+    def __init__(self, settings: FlowGRPOSettings) -> None:
+        self.settings = settings
+        self._fresh_rollout = False
+
+    @classmethod
+    def check_config(cls, config: TrainingConfig) -> None:
+        check_step_objective_config(config, cls.name)
+        settings, steps = config.objective.settings, config.rollout.steps
+        if settings.window_size is not None and settings.window_range[1] > steps:
+            raise config_error(
+                f"objective.window_range {list(settings.window_range)} reaches past the "
+                f"{steps} sampling steps (rollout.steps)"
+            )
+
+    def rollout(self, policy: Policy, request: RolloutRequest, score: Scorer) -> StepRollout:
+        """SDE on every step (or a random window); x_t, x_next, log p_old of the trained steps."""
+        settings = request.settings
+        shape = (len(request.prompts) * settings.images_per_prompt,)
+        noise = torch.randn(
+            shape + policy.latent_shape(settings.resolution), generator=request.generator
+        )
+        sde_steps, trained = flow_grpo_steps(
+            settings.steps,
+            request.timestep_fraction,
+            self.settings.window_size,
+            self.settings.window_range,
+            request.generator,
+        )
+        sampled = sample_request(
+            policy, request, noise, self.settings.noise_level, sde_steps, trained
+        )
+        self._fresh_rollout = True
+        return step_rollout(sampled, settings.guidance_scale)
+
+    def advantages(
+        self, batch: StepRollout, view: RewardView, *, probe: bool = False
+    ) -> Advantages:
+        """Per-prompt-group advantages over the batch std, clamped; the same at every step."""
+        values, stats = flow_grpo_advantages(
+            view.to_objectives(view.rewards), view.group_ids, self.settings
+        )
+        return Advantages(values[view.rows], stats)
+
+    def losses(
+        self,
+        policy: Policy,
+        step: Sequence[TrainPiece],
+        generator: torch.Generator,
+        metrics: StepMetrics,
+    ) -> Iterator[tuple[float, CombinableLoss]]:
+        """One piece per micro-batch x recorded step; every (sample, step) entry weighs the same."""
+        ratios = RatioTracker(metrics, self.settings.clip_range, self._fresh_rollout)
+        self._fresh_rollout = False
+        columns = len(step[0].data.steps)
+        valid_counts = sum((~torch.isnan(p.advantages)).sum(dim=0) for p in step) * columns
+        entries = sum(len(p) for p in step) * columns
+        eta = self.settings.noise_level
+        for piece in step:
+            data = piece.data
+            for column in range(columns):
+                log_probs, mean, scale = rescore_step(
+                    policy, data, column, eta, self.settings.detach_uncond
+                )
+                old = data.log_probs[:, column].to(log_probs.device)
+                ratios.add(log_probs.detach(), old)
+                kl = None
+                if self.settings.kl_coefficient > 0:
+                    reference = reference_step_mean(policy, data, column, eta)
+                    kl = kl_to_reference(mean, reference, scale)
+                    metrics.add("kl_to_reference", kl.detach().mean(), weight=len(data))
+                yield (
+                    1.0,
+                    flow_grpo_loss(
+                        log_probs, old, piece.advantages, self.settings, kl, valid_counts, entries
+                    ),
+                )
+        ratios.close()
 
 
 def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
@@ -171,10 +262,10 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
 
 
 __all__ = [
+    "FlowGRPOObjective",
     "FlowGRPOSettings",
     "clipped_ratio_terms",
     "flow_grpo_advantages",
     "flow_grpo_loss",
     "kl_to_reference",
-    "ratio_metrics",
 ]

@@ -18,13 +18,46 @@ gradients more alike as rho grows, which inflates their cosines.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import hashlib
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from mogradient.objectives import CombinableLoss, masked_mean_coefficients
+from mogradient_diffusion.objectives.base import (
+    Advantages,
+    RewardView,
+    RolloutRequest,
+    Scorer,
+    StepMetrics,
+    TrainPiece,
+)
+from mogradient_diffusion.objectives.step_rollout import (
+    RatioTracker,
+    StepRollout,
+    check_step_objective_config,
+    config_error,
+    rescore_step,
+    step_rollout,
+)
+from mogradient_diffusion.policy import Policy, PromptEmbeddings
+from mogradient_diffusion.sde_rollout import paired_noise, sample_request
+from mogradient_diffusion.sdpo_advantages import (
+    AnchorSimilarities,
+    StepAdvantageTracker,
+    anchor_similarities,
+    dense_rewards,
+    discounted_returns,
+)
+
+if TYPE_CHECKING:
+    from mogradient_diffusion.config import TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -148,6 +181,224 @@ def sdpo_loss(
     return CombinableLoss(terms=terms, coefficients=coefficients)
 
 
+@dataclass(frozen=True)
+class PairRollout:
+    """SDPO's rollout: each sample's trajectory and its pair partner's, row by row.
+
+    Rows 2p and 2p + 1 of a full rollout are a pair (shared x_T). Every row also carries
+    a copy of its partner's trajectory (``partner``), so that any subset of rows is a set
+    of (row, partner) pairs: the loss of (a, b) equals that of (b, a), so a pair seen
+    from both rows counts twice, like every other. ``first_rewards`` and
+    ``anchor_rewards`` [B, K] are the rewards of the x0 predictions at the first and the
+    anchor step; ``similarities`` [B, 3, T] the cosines to first, anchor and last;
+    ``anchors`` [B]; ``prompt_keys`` [B] stable int64 keys of the prompts (the tracker's).
+    """
+
+    own: StepRollout
+    partner: StepRollout
+    first_rewards: Tensor
+    anchor_rewards: Tensor
+    similarities: Tensor
+    anchors: Tensor
+    prompt_keys: Tensor
+
+    @property
+    def prompts(self) -> list[str]:
+        return self.own.prompts
+
+    @property
+    def group_ids(self) -> Tensor:
+        return self.own.group_ids
+
+    @property
+    def images(self) -> Tensor:
+        return self.own.images
+
+    def __len__(self) -> int:
+        return len(self.own)
+
+    def rows(self, indices: Tensor) -> PairRollout:
+        return PairRollout(
+            own=self.own.rows(indices),
+            partner=self.partner.rows(indices),
+            first_rewards=self.first_rewards[indices],
+            anchor_rewards=self.anchor_rewards[indices],
+            similarities=self.similarities[indices],
+            anchors=self.anchors[indices],
+            prompt_keys=self.prompt_keys[indices],
+        )
+
+
+def prompt_key(prompt: str) -> int:
+    """A stable int64 key of a prompt (the first 8 bytes of its SHA-256), gatherable."""
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big", signed=True)
+
+
+class SDPOObjective:
+    """SDPO (Zhang et al. 2025) for K rewards on the flow SDE: pairs, dense step rewards."""
+
+    name: ClassVar[str] = "sdpo"
+    settings_type: ClassVar[type] = SDPOSettings
+    sampler = "sde_pairs"
+
+    def __init__(self, settings: SDPOSettings) -> None:
+        self.settings = settings
+        self.tracker = StepAdvantageTracker(settings.buffer_size, settings.min_count)
+        self._fresh_rollout = False
+
+    @classmethod
+    def check_config(cls, config: TrainingConfig) -> None:
+        check_step_objective_config(config, cls.name)
+        if config.rollout.images_per_prompt % 2:
+            raise config_error(
+                "objective sdpo samples pairs: rollout.images_per_prompt must be even, got "
+                f"{config.rollout.images_per_prompt}"
+            )
+        if config.rollout.steps < 3:
+            raise config_error(
+                "objective sdpo queries rewards at an interior anchor step: rollout.steps "
+                f"must be >= 3, got {config.rollout.steps}"
+            )
+
+    def rollout(self, policy: Policy, request: RolloutRequest, score: Scorer) -> PairRollout:
+        """Pairs sharing x_T; SDE on the trained steps (ODE after them, so the last x0
+        prediction is the final image); rewards of the first and anchor x0 predictions."""
+        settings = request.settings
+        pairs = len(request.prompts) * settings.images_per_prompt // 2
+        shape = (pairs, *policy.latent_shape(settings.resolution))
+        noise = paired_noise(torch.randn(shape, generator=request.generator))
+        trained = list(range(int(settings.steps * request.timestep_fraction)))
+        eta = self.settings.noise_level
+        sampled = sample_request(policy, request, noise, eta, trained, trained, record_x0=True)
+        predicted = sampled.trajectories.predicted_x0
+        similarities = anchor_similarities(predicted)
+        rows = torch.arange(len(predicted))
+        queried = torch.cat((predicted[:, 0], predicted[rows, similarities.anchor]))
+        images = policy.decode(queried.to(policy.device), batch_size=settings.batch_size)
+        rewards = score(images, sampled.prompts * 2, sampled.metadata * 2).detach().cpu()
+        first, anchor = rewards.double().chunk(2)
+        own = step_rollout(sampled, settings.guidance_scale)
+        self._fresh_rollout = True
+        return PairRollout(
+            own=own,
+            partner=own.rows(rows ^ 1),
+            first_rewards=first,
+            anchor_rewards=anchor,
+            similarities=torch.stack(
+                (similarities.first, similarities.middle, similarities.last), dim=1
+            ),
+            anchors=similarities.anchor,
+            prompt_keys=torch.tensor([prompt_key(p) for p in sampled.prompts]),
+        )
+
+    def advantages(
+        self, batch: PairRollout, view: RewardView, *, probe: bool = False
+    ) -> Advantages:
+        """Dense rewards, discounted returns, tracker-normalized per (prompt, step), and the
+        pair's clamped difference dA at each trained step: [B, S, K'].
+
+        The tracker sees every rank's returns, so every rank keeps the same state; a probe
+        call works on a copy.
+        """
+        similarities = AnchorSimilarities(
+            anchor=batch.anchors,
+            first=batch.similarities[:, 0],
+            middle=batch.similarities[:, 1],
+            last=batch.similarities[:, 2],
+        )
+        final = view.rewards[view.rows].double()
+        dense = dense_rewards(batch.first_rewards, batch.anchor_rewards, final, similarities)
+        count, steps, rewards = dense.shape
+        dense = view.to_objectives(dense.reshape(count * steps, rewards)).reshape(count, steps, -1)
+        returns = view.gather(discounted_returns(dense.double(), self.settings.gamma))
+        keys = [str(key) for key in view.gather(batch.prompt_keys).tolist()]
+        tracker = copy.deepcopy(self.tracker) if probe else self.tracker
+        normalized = tracker.update(keys, returns)
+        local = normalized[view.rows]
+        partner = torch.arange(count) ^ 1
+        differences = advantage_differences(local, local[partner], self.settings.advantage_clip)
+        values = differences[:, batch.own.steps]
+        every = view.gather(values)
+        stats = {
+            "return_mean": _nan_mean(returns.flatten(0, 1)),
+            "advantage_abs_mean": _nan_mean(normalized.abs().flatten(0, 1)),
+            "difference_abs_mean": _nan_mean(every.abs().flatten(0, 1)),
+        }
+        return Advantages(values.float(), {k: v.float() for k, v in stats.items()})
+
+    def losses(
+        self,
+        policy: Policy,
+        step: Sequence[TrainPiece],
+        generator: torch.Generator,
+        metrics: StepMetrics,
+    ) -> Iterator[tuple[float, CombinableLoss]]:
+        """One piece per micro-batch x trained step: both trajectories of each row's pair
+        rescored in one forward; every valid (pair, step) entry weighs the same."""
+        ratios = RatioTracker(metrics, self.settings.clip_range, self._fresh_rollout)
+        self._fresh_rollout = False
+        valid_counts = sum((~torch.isnan(p.advantages)).sum(dim=(0, 1)) for p in step)
+        eta = self.settings.noise_level
+        for piece in step:
+            data: PairRollout = piece.data
+            both = _stack_pairs(data.own, data.partner)
+            for column in range(len(data.own.steps)):
+                log_probs, _, _ = rescore_step(policy, both, column, eta, detach_uncond=False)
+                old = both.log_probs[:, column].to(log_probs.device)
+                ratios.add(log_probs.detach(), old)
+                own, partner = log_probs.chunk(2)
+                old_own, old_partner = old.chunk(2)
+                steps = data.own.steps[column].expand(len(data)).to(log_probs.device)
+                loss = sdpo_loss(
+                    own,
+                    partner,
+                    old_own,
+                    old_partner,
+                    steps,
+                    piece.advantages[:, column],
+                    self.settings,
+                    valid_counts,
+                )
+                yield 1.0, loss
+        ratios.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The advantage tracker's buffers: advantages after a resume depend on them."""
+        return {"tracker": self.tracker.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "tracker" not in state:
+            raise ValueError(
+                "an sdpo checkpoint holds the advantage tracker under 'tracker'; got keys "
+                f"{sorted(state)} (a checkpoint of another objective?)"
+            )
+        self.tracker.load_state_dict(state["tracker"])
+
+
+def _stack_pairs(own: StepRollout, partner: StepRollout) -> StepRollout:
+    """Both sides of each row's pair as one batch (own rows first), for one forward."""
+    negative = None
+    if own.negative is not None:
+        negative = PromptEmbeddings.cat([own.negative, partner.negative])
+    return dataclasses.replace(
+        own,
+        prompts=own.prompts + partner.prompts,
+        group_ids=torch.cat([own.group_ids, partner.group_ids]),
+        images=torch.cat([own.images, partner.images]),
+        embeds=PromptEmbeddings.cat([own.embeds, partner.embeds]),
+        negative=negative,
+        latents=torch.cat([own.latents, partner.latents]),
+        next_latents=torch.cat([own.next_latents, partner.next_latents]),
+        log_probs=torch.cat([own.log_probs, partner.log_probs]),
+    )
+
+
+def _nan_mean(values: Tensor) -> Tensor:
+    """Per column mean over the non-NaN rows (NaN for a column without any)."""
+    present = ~torch.isnan(values)
+    return torch.where(present, values, 0).sum(0) / present.sum(0)
+
+
 def _check_real(
     name: str,
     value: float,
@@ -164,8 +415,11 @@ def _check_real(
 
 
 __all__ = [
+    "PairRollout",
+    "SDPOObjective",
     "SDPOSettings",
     "advantage_differences",
     "pair_log_ratio_difference",
+    "prompt_key",
     "sdpo_loss",
 ]

@@ -13,8 +13,8 @@ from mogradient_diffusion.objectives.flow_grpo import (
     flow_grpo_advantages,
     flow_grpo_loss,
     kl_to_reference,
-    ratio_metrics,
 )
+from mogradient_diffusion.objectives.step_rollout import ratio_metrics
 
 SETTINGS = FlowGRPOSettings()
 
