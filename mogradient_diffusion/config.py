@@ -479,7 +479,10 @@ def _parse_override(text: str) -> dict[str, Any]:
 def _merge_layer(raw: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
     """``layer`` over ``raw``; naming another strategy or objective drops the options of
     the one it replaces."""
-    for section, default in (("strategy", StrategyConfig.name), ("objective", "nft")):
+    for section, default in (
+        ("strategy", StrategyConfig.name),
+        ("objective", ObjectiveConfig.name),
+    ):
         new, current = layer.get(section), raw.get(section)
         if (
             isinstance(new, dict)

@@ -45,6 +45,10 @@ def test_marble_tiny_run_writes_metrics_plots_and_a_diffusers_lora(tmp_path: Pat
     assert [step["solved"] for step in steps[first:]][:2] in ([1, 0], [1])
     assert all(math.isfinite(w) for step in steps for w in step["weights"])
     assert math.isfinite(records[-1]["reward/jpeg_incompressibility/mean"])
+    # The old adapter starts as a copy of the trained one, then lags behind it.
+    trained = [step for step in steps if step.get("skipped") != "no reward signal"]
+    gaps = [step["objective/velocity_gap_to_old"] for step in trained]
+    assert gaps[0] == 0.0 and all(gap > 0 for gap in gaps[1:])
     assert (run_dir / "tensorboard").is_dir() and (run_dir / "checkpoints").is_dir()
     # The resolved config is written and loads back as a config file.
     assert load_config(run_dir / "config.yaml").strategy.name == "marble"
