@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: demo toys mini test fuzz lint bench bench-gpu clean
+.PHONY: demo toys mini test fuzz lint bench bench-gpu mtl clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# Debian's Tesseract for the OCR reward (skipped when already on PATH).
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0 -c $(CONSTRAINTS)
-	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,diffusion]" -c $(CONSTRAINTS)
+	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,diffusion,mtl]" -c $(CONSTRAINTS)
 	touch $(STAMP)
 
 # The main job: MARBLE in miniature, quick mode (base vs weighted sum vs MARBLE).
@@ -51,6 +51,12 @@ bench: $(STAMP)
 # Writes benchmarks/results/gpu/gpu_<device>.{json,md}; on a CPU it is a smoke run only.
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/bench_gpu.py --shape sd35m
+
+# Multi-task head-to-head vs TorchJD and LibMTL on scikit-learn's digits (5 seeds; ~15 min of
+# CPU per core on 2 idle cores). LibMTL 1.1.5 pins torchvision, which it does not need here.
+mtl: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps LibMTL==1.1.5 -c $(CONSTRAINTS)
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.mtl.run
 
 clean:
 	rm -rf $(VENV) results

@@ -1,0 +1,199 @@
+"""Every method of the head-to-head behind one interface: losses in, ``.grad`` filled.
+
+All three libraries follow the same protocol: the K task gradients of the *shared trunk*
+are combined by the method, and each head gets the gradient of its own loss. TorchJD
+goes through its public ``mtl_backward`` + ``jac_to_grad``; LibMTL's weighting classes
+are driven standalone (its package ``__init__`` imports torchvision, which we neither
+need nor install, so the ``LibMTL.weighting`` subpackage is loaded on its own).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+import mogradient as mg
+from benchmarks.mtl.model import MultiTaskNet
+
+
+class Method(Protocol):
+    def backward(self, model: MultiTaskNet, losses: list[torch.Tensor], features: torch.Tensor):
+        """Fill ``.grad`` of every parameter; return the weights used (K floats) or None."""
+
+
+def head_backward(model: MultiTaskNet, losses: list[torch.Tensor]) -> None:
+    """Each head's gradient is its own loss's gradient (the heads share no parameter)."""
+    heads = [parameter for head in model.heads for parameter in head.parameters()]
+    torch.autograd.backward(torch.stack(losses).sum(), inputs=heads, retain_graph=True)
+
+
+@dataclass
+class Ours:
+    """A mogradient harmonizer on the trunk's K x D gradient stack."""
+
+    harmonizer: mg.Harmonizer
+    last: mg.Harmonization | None = field(default=None, repr=False)
+
+    def backward(self, model, losses, features):
+        shared = model.shared_parameters()
+        jacobian = mg.objective_gradients(losses, shared, retain_graph=True)
+        self.last = self.harmonizer(jacobian)
+        head_backward(model, losses)
+        mg.write_gradient(shared, self.last.direction)
+        return self.last.weights
+
+
+@dataclass
+class TorchJD:
+    """A TorchJD aggregator through ``mtl_backward`` and ``jac_to_grad``."""
+
+    aggregator: Any
+
+    def backward(self, model, losses, features):
+        from torchjd.autojac import jac_to_grad, mtl_backward
+
+        shared = model.shared_parameters()
+        heads = [list(head.parameters()) for head in model.heads]
+        mtl_backward(losses, features=features, shared_params=shared, tasks_params=heads)
+        weights = jac_to_grad(shared, self.aggregator)
+        return None if weights is None else weights.detach()
+
+
+def libmtl_weighting_module() -> types.ModuleType:
+    """``LibMTL.weighting`` without running ``LibMTL/__init__.py`` (which needs torchvision)."""
+    if "LibMTL.weighting" in sys.modules:
+        return sys.modules["LibMTL.weighting"]
+    spec = importlib.util.find_spec("LibMTL")
+    if spec is None or spec.submodule_search_locations is None:
+        raise ImportError("LibMTL is not installed: pip install --no-deps LibMTL==1.1.5")
+    package = types.ModuleType("LibMTL")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules.setdefault("LibMTL", package)
+    return importlib.import_module("LibMTL.weighting")
+
+
+@dataclass
+class LibMTL:
+    """A LibMTL weighting's own ``backward`` (it computes the gradients itself)."""
+
+    class_name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    _weighting: Any = field(default=None, repr=False)
+
+    def bind(self, model: MultiTaskNet) -> None:
+        """Give the weighting the attributes LibMTL's model mixin would have given it."""
+        weighting = getattr(libmtl_weighting_module(), self.class_name)()
+        weighting.task_num = len(model.heads)
+        weighting.device = torch.device("cpu")
+        weighting.rep_grad = False
+        weighting.get_share_params = model.shared_parameters
+        # LibMTL calls encoder.zero_grad(), which since torch 2.0 sets .grad to None and
+        # then breaks its own _reset_grad (param.grad.data = ...): zero in place instead.
+        weighting.zero_grad_share_params = lambda: model.trunk.zero_grad(set_to_none=False)
+        weighting.init_param()
+        self._weighting = weighting
+
+    def backward(self, model, losses, features):
+        if self._weighting is None:
+            self.bind(model)
+        for parameter in model.shared_parameters():
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+        weights = self._weighting.backward(torch.stack(losses), **self.options)
+        return torch.as_tensor(weights, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A method in the table: its label, library, the K it supports, and a factory."""
+
+    label: str
+    library: str
+    build: Callable[[int, int], Method]  # (num_tasks, seed) -> method
+    min_tasks: int = 2
+    only_tasks: int | None = None
+
+
+def _tjd(name: str, **options: Any) -> Callable[[int, int], Method]:
+    def build(num_tasks: int, seed: int) -> Method:
+        import torchjd.aggregation as aggregation
+
+        return TorchJD(getattr(aggregation, name)(**options))
+
+    return build
+
+
+def _ours(factory: Callable[[int, int], mg.Harmonizer]) -> Callable[[int, int], Method]:
+    return lambda num_tasks, seed: Ours(factory(num_tasks, seed))
+
+
+def _lib(name: str, **options: Any) -> Callable[[int, int], Method]:
+    return lambda num_tasks, seed: LibMTL(name, dict(options))
+
+
+GRADVAC_BETA = 0.01  # the paper's and ours; LibMTL's default is 0.5, TorchJD's 0.5
+CAGRAD_C = 0.5
+
+METHODS: dict[str, Spec] = {
+    spec.label: spec
+    for spec in [
+        Spec("EW", "mogradient", _ours(lambda k, s: mg.Mean())),
+        Spec("RLW", "mogradient", _ours(lambda k, s: mg.RandomWeights(seed=s))),
+        Spec("MGDA", "mogradient", _ours(lambda k, s: mg.MGDA(normalize=False))),
+        Spec("MGDA-NR", "mogradient", _ours(lambda k, s: mg.MGDA())),
+        Spec("PCGrad", "mogradient", _ours(lambda k, s: mg.PCGrad(seed=s))),
+        Spec("CAGrad", "mogradient", _ours(lambda k, s: mg.CAGrad(c=CAGRAD_C))),
+        Spec("Nash-MTL", "mogradient", _ours(lambda k, s: mg.NashMTL())),
+        Spec("UPGrad", "mogradient", _ours(lambda k, s: mg.UPGrad())),
+        Spec("DualProj", "mogradient", _ours(lambda k, s: mg.DualProj())),
+        Spec("IMTL-G", "mogradient", _ours(lambda k, s: mg.IMTLG())),
+        Spec("Aligned-MTL", "mogradient", _ours(lambda k, s: mg.AlignedMTL())),
+        Spec("GradVac", "mogradient", _ours(lambda k, s: mg.GradVac(beta=GRADVAC_BETA, seed=s))),
+        Spec(
+            "Dropout(MGDA-NR)",
+            "mogradient",
+            _ours(lambda k, s: mg.RewardDropout(mg.MGDA(), probability=0.3, seed=s)),
+        ),
+        Spec("TorchJD UPGrad", "torchjd", _tjd("UPGrad")),
+        Spec("TorchJD MGDA", "torchjd", _tjd("MGDA")),
+        Spec("TorchJD DualProj", "torchjd", _tjd("DualProj")),
+        Spec("TorchJD PCGrad", "torchjd", _tjd("PCGrad")),
+        Spec("LibMTL EW", "libmtl", _lib("EW")),
+        Spec("LibMTL RLW", "libmtl", _lib("RLW", dist="Normal")),
+        Spec("LibMTL MGDA", "libmtl", _lib("MGDA", mgda_gn="none")),
+        Spec("LibMTL MGDA-l2", "libmtl", _lib("MGDA", mgda_gn="l2")),
+        Spec("LibMTL PCGrad", "libmtl", _lib("PCGrad")),
+        Spec("LibMTL GradVac", "libmtl", _lib("GradVac", beta=GRADVAC_BETA)),
+        Spec("LibMTL IMTL-G", "libmtl", _lib("IMTL")),
+        # LibMTL 1.1.5's CAGrad hard-codes reshape(1, 3): it runs only with three tasks.
+        Spec("LibMTL CAGrad", "libmtl", _lib("CAGrad", calpha=CAGRAD_C, rescale=1), only_tasks=3),
+    ]
+}
+
+
+def libmtl_installed() -> bool:
+    """LibMTL is optional: ``make mtl`` installs it with --no-deps (it pins torchvision)."""
+    return importlib.util.find_spec("LibMTL") is not None
+
+
+def applicable(spec: Spec, num_tasks: int) -> bool:
+    """Whether the method runs on K tasks here (LibMTL rows need LibMTL installed)."""
+    if spec.library == "libmtl" and not libmtl_installed():
+        return False
+    return num_tasks >= spec.min_tasks and spec.only_tasks in (None, num_tasks)
+
+
+def preference_method(kind: str, preference: tuple[float, ...]) -> Method:
+    """A point of a Pareto-front sweep: MGDA-NR tilted by ``preference``, or the weighted sum."""
+    if kind == "MGDA-NR":
+        return Ours(mg.MGDA(preferences=list(preference)))
+    if kind == "weighted sum":
+        return Ours(mg.FixedWeights(list(preference)))
+    raise ValueError(f"unknown sweep {kind!r}; use 'MGDA-NR' or 'weighted sum'")

@@ -1,0 +1,58 @@
+"""A tiny shared conv trunk with one linear head per task (~24k parameters for two tasks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from benchmarks.mtl.data import Task
+
+FEATURES = 64
+
+
+class MultiTaskNet(nn.Module):
+    """Conv(1->16) pool Conv(16->32) pool Linear(288->64): the trunk every task shares."""
+
+    def __init__(self, tasks: tuple[Task, ...]) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 3 * 3, FEATURES),
+            nn.ReLU(),
+        )
+        self.heads = nn.ModuleList(nn.Linear(FEATURES, task.outputs) for task in tasks)
+        self.tasks = tasks
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The shared features (TorchJD's ``mtl_backward`` needs them) and each head's output."""
+        features = self.trunk(images)
+        return features, [head(features) for head in self.heads]
+
+    def shared_parameters(self) -> list[nn.Parameter]:
+        return list(self.trunk.parameters())
+
+
+def task_loss(task: Task, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if task.loss == "ce":
+        return functional.cross_entropy(output, target)
+    if task.loss == "bce":
+        return functional.binary_cross_entropy_with_logits(output.squeeze(1), target)
+    if task.loss == "mse":
+        return functional.mse_loss(output.squeeze(1), target)
+    raise ValueError(f"unknown loss {task.loss!r} for task {task.name!r}; use ce, bce or mse")
+
+
+def task_metric(task: Task, output: torch.Tensor, target: torch.Tensor) -> float:
+    """Accuracy for classification heads, mean absolute error for the regression head."""
+    if task.loss == "ce":
+        return float((output.argmax(dim=1) == target).float().mean())
+    if task.loss == "bce":
+        return float(((output.squeeze(1) > 0).float() == target).float().mean())
+    return float((output.squeeze(1) - target).abs().mean())

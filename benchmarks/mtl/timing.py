@@ -1,0 +1,61 @@
+"""Time per training step of every method, measured in one interleaved run.
+
+Each method gets its own model (same initialization) and steps on the same batches;
+every round runs each method's step once in a rotated order, so load from other jobs
+on the shared machine hits all methods alike. Reported as a ratio to equal weighting.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from benchmarks.common import interleaved_times, timing_summary
+from benchmarks.mtl.data import Problem
+from benchmarks.mtl.methods import METHODS, applicable
+from benchmarks.mtl.model import MultiTaskNet, task_loss
+from benchmarks.mtl.train import seed_everything
+
+REFERENCE = "EW"
+WARMUP_ROUNDS = 3
+
+
+def _stepper(problem: Problem, label: str, batch: int, seed: int):
+    seed_everything(seed)
+    model = MultiTaskNet(problem.tasks)
+    method = METHODS[label].build(len(problem.tasks), seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(seed)
+
+    def step() -> None:
+        rows = torch.randint(len(problem.train.images), (batch,), generator=generator)
+        optimizer.zero_grad()
+        features, outputs = model(problem.train.images[rows])
+        losses = [
+            task_loss(task, output, target[rows])
+            for task, output, target in zip(
+                problem.tasks, outputs, problem.train.targets, strict=True
+            )
+        ]
+        method.backward(model, losses, features)
+        optimizer.step()
+
+    return step
+
+
+def time_methods(problem: Problem, batch: int, rounds: int, seed: int = 0) -> dict[str, dict]:
+    """Median wall/CPU ms per step and the ratio of medians to equal weighting, per method."""
+    labels = [label for label, spec in METHODS.items() if applicable(spec, len(problem.tasks))]
+    steppers = {label: _stepper(problem, label, batch, seed) for label in labels}
+    interleaved_times(steppers, WARMUP_ROUNDS)
+    samples = interleaved_times(steppers, rounds)
+    reference = statistics.median(samples[REFERENCE]["wall"])
+    reference_cpu = statistics.median(samples[REFERENCE]["cpu"])
+    summary = {}
+    for label in labels:
+        stats = timing_summary(samples[label])
+        stats["ratio_to_ew"] = statistics.median(samples[label]["wall"]) / reference
+        stats["cpu_ratio_to_ew"] = statistics.median(samples[label]["cpu"]) / reference_cpu
+        summary[label] = stats
+    return summary
