@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 SamplerNeed = Literal["ode", "sde", "sde_pairs"]
 """What an objective needs from the sampler.
 
-``ode``: any deterministic solver; only the final sample is used (DiffusionNFT).
+``ode``: only the final sample is used, so any solver serves (DiffusionNFT: the
+configured ``rollout.sampler``, deterministic in the references).
 ``sde``: the stochastic sampler, with the Gaussian log-density of every transition
 (Flow-GRPO). ``sde_pairs``: the stochastic sampler on pairs of samples that share their
 initial noise x_T but draw independent per-step noise (SDPO).
