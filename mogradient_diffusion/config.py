@@ -504,6 +504,10 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+# Top-level sections that moved, and how to write them now.
+RENAMED = {"nft": "the 'nft:' section is now 'objective: {name: nft, ...}' (same options)"}
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     """A config dataclass from a mapping; its own ``__post_init__`` checks become
     ConfigErrors naming the key (their messages start with the field name)."""
@@ -513,7 +517,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
     names = {item.name for item in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in {where}; known: {sorted(names)}")
+        moved = "".join(f"; {RENAMED[k]}" for k in unknown if where == "config" and k in RENAMED)
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; known: {sorted(names)}{moved}")
     values = {key: _convert(hints[key], value, f"{where}.{key}") for key, value in data.items()}
     try:
         return cls(**values)
