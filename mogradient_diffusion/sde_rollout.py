@@ -261,15 +261,20 @@ def guided_velocity(
     def velocity(x: Tensor, sigma: Tensor) -> Tensor:
         x = x.to(policy.dtype)
         if negative is None:
-            return policy.velocity(x, sigma, embeds, adapter).float()
+            return _at_least_float32(policy.velocity(x, sigma, embeds, adapter))
         both = PromptEmbeddings.cat([negative, embeds])
         out = policy.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), both, adapter)
-        uncond, cond = out.float().chunk(2)
+        uncond, cond = _at_least_float32(out).chunk(2)
         if detach_uncond:
             uncond = uncond.detach()
         return uncond + guidance_scale * (cond - uncond)
 
     return velocity
+
+
+def _at_least_float32(values: Tensor) -> Tensor:
+    """Half-precision model outputs in float32 (the SDE step overflows in bf16), wider kept."""
+    return values.to(torch.promote_types(values.dtype, torch.float32))
 
 
 def _check_steps(

@@ -280,3 +280,39 @@ def test_loss_input_validation() -> None:
         advantage_differences(torch.full((3, 1), torch.inf), torch.zeros(3, 1), 5.0)
     with pytest.raises(ValueError, match="share a shape"):
         advantage_differences(torch.zeros(3, 1), torch.zeros(2, 1), 5.0)
+
+
+def test_few_step_evaluation_tabulates_each_step_count(tiny_pipeline_dir, tmp_path) -> None:
+    from mogradient_diffusion.evaluate import EvalSettings
+    from mogradient_diffusion.few_step_eval import evaluate_at_steps
+
+    settings = EvalSettings(
+        model=str(tiny_pipeline_dir),
+        prompts="general",
+        metrics=["jpeg_incompressibility"],
+        out=str(tmp_path / "base"),
+        max_prompts=2,
+        images_per_prompt=2,
+        batch_size=4,
+        max_sequence_length=32,
+        device="cpu",
+        progress=False,
+    )
+    out = evaluate_at_steps(settings, steps=(2, 1))
+    table = json.loads((out / "few_steps.json").read_text())
+    assert list(table["steps"]) == ["1", "2"] and table["label"] == "base"
+    means = []
+    for count in (1, 2):
+        folder = out / f"steps_{count:02d}"
+        rows = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["settings"]["steps"] == count and len(rows) == 4
+        entry = table["steps"][str(count)]["jpeg_incompressibility"]
+        expected = sum(row["jpeg_incompressibility"] for row in rows) / 4
+        assert entry["mean"] == pytest.approx(expected) and entry["n"] == 4
+        means.append(entry["mean"])
+    assert means[0] != means[1]  # the step count reaches the sampler
+    markdown = (out / "few_steps.md").read_text()
+    assert "| 1 |" in markdown and "| 2 |" in markdown
+    with pytest.raises(ValueError, match="positive integers"):
+        evaluate_at_steps(settings, steps=(0,))
