@@ -23,9 +23,9 @@ from torch import Tensor
 def noise_scale(sigma: Tensor, sigma_max: float, eta: float) -> Tensor:
     """sigma_t = eta sqrt(t / (1 - t)); at t = 1 the denominator uses sigmas[1] (``sigma_max``)."""
     _check_eta(eta)
-    if not 0.0 < sigma_max < 1.0:
+    if not 0.0 <= sigma_max < 1.0:
         raise ValueError(
-            f"sigma_max (the schedule's sigmas[1]) must lie in (0, 1), got {sigma_max}"
+            f"sigma_max (the schedule's sigmas[1]) must lie in [0, 1), got {sigma_max}"
         )
     denominator = 1 - torch.where(sigma >= 1, torch.full_like(sigma, sigma_max), sigma)
     return eta * torch.sqrt(sigma / denominator)

@@ -201,7 +201,7 @@ def sample_sde(
     _check_steps(num_steps, sde_steps, recorded_steps, eta)
     sde_set, recorded = set(sde_steps), sorted(recorded_steps)
     x = noise.float()
-    sigma_max = float(levels[1]) if num_steps > 1 else 0.5
+    sigma_max = float(levels[1])  # stands in for t at t = 1 (0 for a single step)
     kept: dict[str, list[Tensor]] = {"latents": [], "next": [], "log_probs": []}
     x0_hats = []
     for i in range(num_steps):
