@@ -349,3 +349,14 @@ def test_sdpo_run_resumes_with_its_tracker(tmp_path: Path) -> None:
         patch.setattr(SDPOObjective, "load_state_dict", lambda self, state: None)
         forgetful = trace(train(tmp_path / "forgetful", 4))
     assert forgetful[:2] == straight[:2] and forgetful[2:] != straight[2:]
+
+
+def test_flow_grpo_fast_trains_on_a_window(tmp_path: Path) -> None:
+    window = ["objective.window_size=2", "objective.window_range=[1, 4]"]
+    overrides = ["objective.name=flow_grpo", "strategy.period=1", *window]
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", f"run.directory={run}", *TINY, *overrides]) == 0
+    (record,) = read_metrics(run)
+    first = record["optimizer_steps"][0]
+    assert first["objective/first_step_max_abs_ratio_minus_one"] == 0.0
+    assert math.isfinite(first["grad_norm"])
