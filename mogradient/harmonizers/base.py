@@ -21,6 +21,9 @@ from mogradient.gram import accumulate_gram, make_psd
 # Columns per block of the batched direction product (large enough that per-block
 # overhead is negligible, small enough that mid-sized stacks still split over threads).
 _COMBINE_BLOCK_COLUMNS = 1 << 16
+# Stack entries from which the direction is computed on all threads: about 4 ms on one
+# thread, so a parallel region's possible wait for a descheduled thread is amortized.
+_PARALLEL_COMBINE_ENTRIES = 1 << 24
 _NUMPY_DTYPES = {
     torch.float16: np.float16,
     torch.float32: np.float32,
@@ -190,25 +193,25 @@ def _new_vector(jacobian: torch.Tensor) -> torch.Tensor:
 
 
 def _weighted_rows_into(weights: torch.Tensor, jacobian: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = weights @ jacobian``, on all of torch's threads.
+    """``out = weights @ jacobian``, on all of torch's threads when the stack is large.
 
-    On CPU one ``1 x K`` by ``K x D`` product is a single-threaded BLAS call (only the
-    calling thread accumulates CPU time). A batched product over column blocks is split
-    over torch's intra-op threads, which also first-touch their own part of ``out``; every
-    entry is the same K-term sum either way.
+    On CPU one matrix-vector product is a single-threaded BLAS call (only the calling
+    thread accumulates CPU time). A batched product over column blocks is split over
+    torch's intra-op threads, which also first-touch their own part of ``out``; every
+    entry is the same K-term sum either way. Small stacks stay on one thread: on a machine
+    shared with other jobs a parallel region can wait 10 to 30 ms for a descheduled thread.
     """
     num_objectives, dim = jacobian.shape
     width = _COMBINE_BLOCK_COLUMNS
-    count = dim // width if jacobian.device.type == "cpu" else 0
-    if count < 2:
-        torch.mm(weights[None], jacobian, out=out[None])
-        return
-    done = count * width
-    blocks = jacobian[:, :done].reshape(num_objectives, count, width).transpose(0, 1)
-    rows = weights.expand(count, 1, num_objectives)
-    torch.bmm(rows, blocks, out=out[:done].view(count, 1, width))
+    parallel = jacobian.device.type == "cpu" and jacobian.numel() >= _PARALLEL_COMBINE_ENTRIES
+    done = dim // width * width if parallel else 0
+    if done:
+        count = done // width
+        blocks = jacobian[:, :done].reshape(num_objectives, count, width).transpose(0, 1)
+        rows = weights.expand(count, 1, num_objectives)
+        torch.bmm(rows, blocks, out=out[:done].view(count, 1, width))
     if done < dim:
-        torch.mm(weights[None], jacobian[:, done:], out=out[done:][None])
+        torch.mv(jacobian[:, done:].T, weights, out=out[done:])
 
 
 def _combine_in_float64(
