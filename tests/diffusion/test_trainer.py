@@ -267,7 +267,14 @@ def test_shipped_recipes_validate(recipe: Path) -> None:
             config = load_config(recipe, world_size=world_size)
     else:
         config = load_config(recipe, world_size=world_size)
-    assert config.rollout.images_per_prompt == 24 and config.objective.settings.beta == 0.1
+    assert config.rollout.images_per_prompt == 24
+    settings = config.objective.settings
+    expected = {  # the references' SD3.5-M values for each objective
+        "nft": {"beta": 0.1, "a_max": 5.0},
+        "flow_grpo": {"clip_range": 1e-4, "noise_level": 0.7, "advantage_clip": 5.0},
+        "sdpo": {"clip_range": 1e-4, "gamma": 0.99, "advantage_clip": 5.0},
+    }[config.objective.name]
+    assert {key: getattr(settings, key) for key in expected} == expected
 
 
 def _command(run_dir: Path, *extra: str) -> list[str]:
