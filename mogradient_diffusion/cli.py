@@ -17,7 +17,10 @@ from mogradient_diffusion.config import ConfigError, load_config
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mogradient-diffusion", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a LoRA with DiffusionNFT + a strategy")
+    train = commands.add_parser(
+        "train",
+        help="train a LoRA with an objective (DiffusionNFT, Flow-GRPO, SDPO) and a strategy",
+    )
     train.add_argument("--config", type=Path, help="YAML recipe (see configs/)")
     train.add_argument(
         "--preset", choices=["tiny"], help="built-in preset (default without a model path: tiny)"
@@ -70,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _add_eval_parser(commands) -> None:
     from mogradient_diffusion.evaluate import PROMPT_SETS
+    from mogradient_diffusion.few_step_eval import FEW_STEPS
 
     sets = ", ".join(PROMPT_SETS)
     evaluate = commands.add_parser("eval", help="generate on a prompt set and score it")
@@ -85,7 +89,17 @@ def _add_eval_parser(commands) -> None:
         help="reward option, e.g. pickscore.path=/weights/pickscore (repeatable)",
     )
     evaluate.add_argument("--out", required=True, help="output directory")
-    evaluate.add_argument("--steps", type=int, default=40)
+    step_counts = evaluate.add_mutually_exclusive_group()
+    step_counts.add_argument("--steps", type=int, default=40, help="sampling steps (default 40)")
+    step_counts.add_argument(
+        "--steps-sweep",
+        nargs="?",
+        const=",".join(map(str, FEW_STEPS)),
+        metavar="N,N,...",
+        help="evaluate at each of these step counts instead of --steps (alone: "
+        f"{','.join(map(str, FEW_STEPS))}), one folder per count and a table by count in "
+        "few_steps.md/json: whether reward holds at few steps, SDPO's claim",
+    )
     evaluate.add_argument("--guidance-scale", type=float, default=1.0)
     evaluate.add_argument("--resolution", type=int)
     evaluate.add_argument(
@@ -109,6 +123,7 @@ def _add_eval_parser(commands) -> None:
 
 def _eval(args: argparse.Namespace) -> int:
     from mogradient_diffusion.evaluate import EvalSettings, evaluate
+    from mogradient_diffusion.few_step_eval import evaluate_at_steps
     from mogradient_diffusion.rewards import MissingWeightsError, RewardError
 
     try:
@@ -133,13 +148,37 @@ def _eval(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             reward_modules=args.reward_module,
         )
-        out = evaluate(settings)  # validates before any model loads
+        if args.steps_sweep is None:
+            out = evaluate(settings)  # validates before any model loads
+        else:
+            out = evaluate_at_steps(settings, _step_counts(args.steps_sweep))
     except (ValueError, FileNotFoundError, MissingWeightsError, RewardError) as error:
         # ConfigError (a bad --reward-module) is a ValueError too.
         print(f"mogradient-diffusion eval: {error}", file=sys.stderr)
         return 2
-    print(f"evaluation written to {out} (summary.md, summary.json, samples.jsonl, grid.png)")
+    if args.steps_sweep is None:
+        print(f"evaluation written to {out} (summary.md, summary.json, samples.jsonl, grid.png)")
+        return 0
+    print((out / "few_steps.md").read_text(), end="")
+    print(
+        f"few-step table written to {out / 'few_steps.md'} and {out / 'few_steps.json'}; "
+        f"one evaluation per count in {out}/steps_NN/"
+    )
     return 0
+
+
+def _step_counts(text: str) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4]; anything but distinct positive integers is refused."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isascii() and item.isdigit() and int(item) > 0 for item in items):
+        raise ValueError(
+            f"bad --steps-sweep {text!r}: expected comma-separated positive integers, "
+            "e.g. --steps-sweep 1,2,4,8,16"
+        )
+    counts = [int(item) for item in items]
+    if len(set(counts)) != len(counts):
+        raise ValueError(f"bad --steps-sweep {text!r}: a step count is repeated")
+    return counts
 
 
 def _metric_options(items: list[str]) -> dict[str, dict]:
