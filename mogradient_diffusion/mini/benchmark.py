@@ -41,6 +41,12 @@ HELD_OUT = (
 )
 EVAL_STEPS = 16
 NOISE = "mini_noise"  # the control's reward: uniform noise, signal-free advantages
+# The recipe's changes for the other objectives: their own section (reference defaults),
+# the flow SDE for sampling, and rollouts from the trained adapter (ratios start at 1).
+OBJECTIVE_OVERRIDES = {
+    "flow_grpo": ("objective={name: flow_grpo}", "rollout.sampler=sde", "train.old_schedule=copy"),
+    "sdpo": ("objective={name: sdpo}", "rollout.sampler=sde", "train.old_schedule=copy"),
+}
 
 
 @dataclass(frozen=True)
@@ -48,9 +54,14 @@ class Method:
     key: str
     label: str
     overrides: tuple[str, ...] = ()
-    ablation: bool = False  # ablations run the budget's ablation seeds
+    table: str = "main"  # "main", "ablations" or "objectives" (the last two: ablation seeds)
     probe: bool = False  # log cos(update, g_k) on every step (conflict table)
     trains: bool = True
+
+    @property
+    def ablation(self) -> bool:
+        """Rows outside the main table run on the budget's ablation seeds."""
+        return self.table != "main"
 
 
 @dataclass(frozen=True)
@@ -100,24 +111,26 @@ def methods(budget: Budget) -> list[Method]:
         Method("reward_dropout", "reward dropout (p 0.3)", ("strategy.name=reward_dropout",)),
         Method("pcgrad", "PCGrad", ("strategy.name=pcgrad",)),
     ]
+    ablation = {"table": "ablations"}
     ablations = [
-        Method("marble_no_norm", "MARBLE w/o normalization", ("strategy.normalize=false",), True),
-        Method(
-            "marble_fixed_alpha", "MARBLE fixed equal alpha", ("strategy.fixed_alpha=true",), True
-        ),
-        Method("marble_every_step", "MARBLE solve every step", ("strategy.period=1",), True),
-        Method(
-            "marble_smoothed",
-            "MARBLE smoothed weights on solve steps",
-            ("strategy.smooth_solve_steps=true",),
-            True,
-            probe=True,
-        ),
+        Method("marble_no_norm", "MARBLE w/o normalization", ("strategy.normalize=false",),
+               **ablation),
+        Method("marble_fixed_alpha", "MARBLE fixed equal alpha", ("strategy.fixed_alpha=true",),
+               **ablation),
+        Method("marble_every_step", "MARBLE solve every step", ("strategy.period=1",), **ablation),
+        Method("marble_smoothed", "MARBLE smoothed weights on solve steps",
+               ("strategy.smooth_solve_steps=true",), probe=True, **ablation),
     ] + [
-        Method(f"marble_rho{rho}", f"MARBLE rho {rho}", (f"strategy.rho={rho}",), True)
+        Method(f"marble_rho{rho}", f"MARBLE rho {rho}", (f"strategy.rho={rho}",), **ablation)
         for rho in (0.1, 0.3, 0.5, 0.9)
-    ]
-    return [base, control, *singles, weighted, *baselines, marble, *ablations]
+    ]  # fmt: skip
+    objectives = [
+        Method(f"{objective}_{strategy}", f"{label}, {strategy_label}",
+               (*OBJECTIVE_OVERRIDES[objective], f"strategy.name={strategy}"), table="objectives")
+        for objective, label in (("flow_grpo", "Flow-GRPO"), ("sdpo", "SDPO"))
+        for strategy, strategy_label in (("weighted_sum", "weighted sum"), ("marble", "MARBLE"))
+    ]  # fmt: skip
+    return [base, control, *singles, weighted, *baselines, marble, *ablations, *objectives]
 
 
 def cost_methods() -> list[Method]:

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from mogradient_diffusion.mini.benchmark import RunResult
 
 
+NFT_REFERENCE_ROWS = ("weighted_sum", "marble")  # repeated in the objectives table
+
+
 def write_report(
     results: list[RunResult], out: Path, mode: str, seconds: float, workers: int
 ) -> dict[str, Any]:
@@ -34,8 +37,11 @@ def write_report(
     metrics = [*TRAIN_REWARDS, *HELD_OUT]
     scored = [r for r in results if not r.method.key.startswith("cost_")]
     rows = _method_rows(scored, metrics)
-    main = [row for row in rows if not row["ablation"]]
-    ablations = [row for row in rows if row["ablation"] or row["key"] == "marble"]
+    main = [row for row in rows if row["table"] == "main"]
+    ablations = [row for row in rows if row["table"] == "ablations" or row["key"] == "marble"]
+    objectives = [
+        row for row in rows if row["table"] == "objectives" or row["key"] in NFT_REFERENCE_ROWS
+    ]
     conflict = _conflict_rows(scored)
     staleness = _staleness_rows(scored)
     versus_control = _control_rows(rows, list(TRAIN_REWARDS))
@@ -67,6 +73,9 @@ def write_report(
     if len(ablations) > 1:
         lines += ["", "## Ablations (MARBLE row repeated for reference)", ""]
         lines += _table(ablations, metrics)
+    if len(objectives) > len(NFT_REFERENCE_ROWS):
+        lines += ["", "## Objectives: DiffusionNFT (the rows above) vs Flow-GRPO vs SDPO", ""]
+        lines += _table(objectives, metrics)
     (out / "table.md").write_text("\n".join(lines) + "\n")
     conflict_lines = _conflict_table(conflict)
     if staleness:
@@ -96,7 +105,7 @@ def _method_rows(results: list[RunResult], metrics: list[str]) -> list[dict[str,
             {
                 "key": method.key,
                 "label": method.label,
-                "ablation": method.ablation,
+                "table": method.table,
                 "seeds": len(runs),
                 "mean": {m: _mean(v) for m, v in values.items()},
                 "std": {m: _std(v) for m, v in values.items()},

@@ -11,6 +11,7 @@ import pytest
 
 from mogradient_diffusion.mini.benchmark import (
     BASE_MODEL,
+    CONFIG,
     HELD_OUT,
     MODES,
     TRAIN_REWARDS,
@@ -62,6 +63,22 @@ def test_full_mode_has_every_row_the_issue_names():
     assert seeds["marble"] == seeds["noise_control"] == {0, 1, 2}  # main rows: 3 seeds
     assert seeds["marble_rho0.1"] == seeds["marble_smoothed"] == {0, 1}  # ablations: 2
     assert seeds["base"] == {0}
+    assert seeds["flow_grpo_marble"] == seeds["sdpo_weighted_sum"] == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("objective", "strategy"), [("flow_grpo", "weighted_sum"), ("sdpo", "marble")]
+)
+def test_objective_rows_are_valid_recipes(tmp_path, objective, strategy):
+    from mogradient_diffusion.config import load_config
+
+    method = next(m for m in methods(MODES["full"]) if m.key == f"{objective}_{strategy}")
+    config = load_config(
+        CONFIG, overrides=[f"model.path={BASE_MODEL}", f"prompts.directory={tmp_path}",
+                           f"run.directory={tmp_path / 'run'}", *method.overrides],
+    )  # fmt: skip
+    assert (config.objective.name, config.strategy.name) == (objective, strategy)
+    assert config.rollout.sampler == "sde"
 
 
 def test_methods_are_compared_with_the_noise_control_in_pooled_seed_std():
