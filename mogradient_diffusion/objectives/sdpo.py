@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from mogradient.objectives import CombinableLoss, masked_mean_coefficients
+from mogradient_diffusion.advantages import group_advantages
 from mogradient_diffusion.objectives.base import (
     Advantages,
     RewardView,
@@ -319,7 +320,10 @@ class SDPOObjective:
         differences = advantage_differences(local, local[partner], self.settings.advantage_clip)
         values = differences[:, batch.own.steps]
         every = view.gather(values)
+        _, final_stats = group_advantages(view.to_objectives(view.rewards), view.group_ids)
         stats = {
+            # prompt groups whose final images all scored alike (per objective)
+            "zero_std_group_ratio": final_stats["zero_std_group_ratio"].double(),
             "return_mean": _nan_mean(returns.flatten(0, 1)),
             "advantage_abs_mean": _nan_mean(normalized.abs().flatten(0, 1)),
             "difference_abs_mean": _nan_mean(every.abs().flatten(0, 1)),

@@ -311,6 +311,10 @@ def test_every_strategy_trains_with_the_objective(tmp_path: Path, objective, str
     trained = [s for s in steps if "objective/ratio_mean" in s]
     assert trained, "no step computed a loss"
     assert trained[0]["objective/first_step_max_abs_ratio_minus_one"] == 0.0
+    # Groups whose images all scored alike (no signal); null for an objective no image had.
+    ratios = [record[f"advantage/{name}/zero_std_group_ratio"] for name in record["objectives"]]
+    assert any(r is not None for r in ratios)
+    assert all(0.0 <= r <= 1.0 for r in ratios if r is not None)
 
 
 def test_sdpo_run_resumes_with_its_tracker(tmp_path: Path) -> None:
