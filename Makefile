@@ -52,8 +52,8 @@ bench: $(STAMP)
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/bench_gpu.py --shape sd35m
 
-# Multi-task head-to-head vs TorchJD and LibMTL on scikit-learn's digits (5 seeds; ~15 min of
-# CPU per core on 2 idle cores). LibMTL 1.1.5 pins torchvision, which it does not need here.
+# Multi-task head-to-head vs TorchJD and LibMTL on scikit-learn's digits (5 seeds; ~23 min on
+# a shared 2-core machine). LibMTL 1.1.5 pins torchvision, which it does not need here.
 mtl: $(STAMP)
 	$(PY) -m pip install --quiet --no-deps LibMTL==1.1.5 -c $(CONSTRAINTS)
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.mtl.run

@@ -180,7 +180,8 @@ METHODS: dict[str, Spec] = {
 
 def libmtl_installed() -> bool:
     """LibMTL is optional: ``make mtl`` installs it with --no-deps (it pins torchvision)."""
-    return importlib.util.find_spec("LibMTL") is not None
+    # Once loaded, "LibMTL" is our stub package (no __spec__: find_spec would raise).
+    return "LibMTL" in sys.modules or importlib.util.find_spec("LibMTL") is not None
 
 
 def applicable(spec: Spec, num_tasks: int) -> bool:

@@ -15,6 +15,7 @@ import functools
 import json
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -53,7 +54,7 @@ class Settings:
 
 FULL = Settings(
     sizes=(3200, 1000, 2000),
-    budget=Budget(epochs=8, batch=128, learning_rate=3e-3, diagnostics_every=5),
+    budget=Budget(epochs=6, batch=128, learning_rate=3e-3, diagnostics_every=5),
     seeds=(0, 1, 2, 3, 4),
     sweep_seeds=(0, 1),
     sweep_shares=(0.1, 0.3, 0.5, 0.7, 0.9),
@@ -116,12 +117,19 @@ def make_jobs(settings: Settings) -> list[dict]:
     return jobs
 
 
-def run_all(jobs: list[dict], workers: int) -> list[dict]:
+def run_all(jobs: list[dict], workers: int, log: Path | None = None) -> list[dict]:
     if workers <= 1:
         return [run_job(job) for job in jobs]
     context = multiprocessing.get_context("spawn")
+    records = []
     with context.Pool(workers) as pool:
-        return list(pool.imap_unordered(run_job, jobs, chunksize=1))
+        for record in pool.imap_unordered(run_job, jobs, chunksize=1):
+            records.append(record)
+            if log is not None:  # a crash after hours of training must not lose the runs
+                with log.open("a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+            print(f"{len(records)}/{len(jobs)} runs done", file=sys.stderr, flush=True)
+    return records
 
 
 def summarize(problem: Problem, records: list[dict]) -> dict:
@@ -199,7 +207,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     load_start = os.getloadavg()
     started = time.perf_counter()
 
-    records = run_all(make_jobs(settings), workers)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = None if args.quick else Path(os.environ.get("MTL_RUN_LOG", "/tmp/mtl_runs.jsonl"))
+    records = run_all(make_jobs(settings), workers, log)
     training_seconds = time.perf_counter() - started
     results = {"mode": "quick" if args.quick else "full", "settings": asdict(settings)}
     results["problems"] = {}
