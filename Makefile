@@ -26,7 +26,8 @@ demo: $(STAMP)
 toys: $(STAMP)
 	$(PY) -m mogradient.demo --out results/demo
 
-# The whole miniature head-to-head (every method, 3 seeds, ablations): ~1-2 h on 2 cores.
+# The whole miniature head-to-head (every method, 3 seeds, ablations and objective rows on 2):
+# ~590 core-seconds per epoch of budget, ~3.5 h on 2 cores at today's 40 epochs.
 # `make mini RESUME=1` keeps finished runs of an interrupted one and does the rest.
 mini: $(STAMP)
 	$(PY) -m mogradient_diffusion.mini.benchmark --mode full --out benchmarks/results/mini --work results/mini_work $(if $(RESUME),--resume)
