@@ -28,7 +28,7 @@ from benchmarks.mtl.methods import (
     libmtl_installed,
     libmtl_weighting_module,
 )
-from benchmarks.mtl.model import MultiTaskNet, task_loss
+from benchmarks.mtl.model import MultiTaskNet, batch_losses
 from benchmarks.mtl.train import seed_everything
 
 STACK_SIZES = (1024, 8, 8)
@@ -50,13 +50,7 @@ def trunk_stack(problem_name: str, steps: int, seed: int) -> torch.Tensor:
     for step in range(steps + MAX_SEARCH):
         rows = torch.randint(len(problem.train.images), (BATCH,), generator=generator)
         optimizer.zero_grad()
-        _, outputs = model(problem.train.images[rows])
-        losses = [
-            task_loss(task, output, target[rows])
-            for task, output, target in zip(
-                problem.tasks, outputs, problem.train.targets, strict=True
-            )
-        ]
+        _, losses = batch_losses(model, problem.train, rows)
         if step >= steps:
             jacobian = mg.objective_gradients(losses, model.shared_parameters(), retain_graph=True)
             if _worst_pairwise_cosine(jacobian) < 0:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from benchmarks.mtl.data import Task
+from benchmarks.mtl.data import Split, Task
 
 FEATURES = 64
 
@@ -56,3 +56,15 @@ def task_metric(task: Task, output: torch.Tensor, target: torch.Tensor) -> float
     if task.loss == "bce":
         return float(((output.squeeze(1) > 0).float() == target).float().mean())
     return float((output.squeeze(1) - target).abs().mean())
+
+
+def batch_losses(
+    model: MultiTaskNet, split: Split, rows: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The shared features and every task's loss on the samples ``rows`` of ``split``."""
+    features, outputs = model(split.images[rows])
+    losses = [
+        task_loss(task, output, target[rows])
+        for task, output, target in zip(model.tasks, outputs, split.targets, strict=True)
+    ]
+    return features, losses

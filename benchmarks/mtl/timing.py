@@ -14,7 +14,7 @@ import torch
 from benchmarks.common import interleaved_times, timing_summary
 from benchmarks.mtl.data import Problem
 from benchmarks.mtl.methods import METHODS, applicable
-from benchmarks.mtl.model import MultiTaskNet, task_loss
+from benchmarks.mtl.model import MultiTaskNet, batch_losses
 from benchmarks.mtl.train import seed_everything
 
 REFERENCE = "EW"
@@ -31,13 +31,7 @@ def _stepper(problem: Problem, label: str, batch: int, seed: int):
     def step() -> None:
         rows = torch.randint(len(problem.train.images), (batch,), generator=generator)
         optimizer.zero_grad()
-        features, outputs = model(problem.train.images[rows])
-        losses = [
-            task_loss(task, output, target[rows])
-            for task, output, target in zip(
-                problem.tasks, outputs, problem.train.targets, strict=True
-            )
-        ]
+        features, losses = batch_losses(model, problem.train, rows)
         method.backward(model, losses, features)
         optimizer.step()
 
