@@ -190,9 +190,14 @@ def specialist_check(
     seed: int,
     eval_images: int,
     overrides: tuple[str, ...] = (),
+    base_work: Path | None = None,
 ) -> dict[str, Any]:
     """Train ``reward``'s specialist and its noise control (both with the recipe's
-    ``overrides``), evaluate both and the base."""
+    ``overrides``), evaluate both and the base.
+
+    The base evaluation does not depend on the training seed: checks that share
+    ``base_work`` (default ``work``) evaluate it once.
+    """
     prompts_dir = write_prompt_files(work / "prompts")
     held_out = applicable_held_out(reward)
     eval_file = work / f"heldout_{reward}.jsonl"
@@ -209,7 +214,7 @@ def specialist_check(
     result: dict[str, Any] = {"reward": reward, "held_out_prompts": len(held_out), "seconds": {}}
     rows: dict[str, np.ndarray] = {}
     for label in ("base", *runs):
-        run_dir = work / reward / label
+        run_dir = ((base_work or work) if label == "base" else work) / reward / label
         run_dir.mkdir(parents=True, exist_ok=True)
         if (run_dir / "eval" / "summary.json").is_file():  # finished earlier: reuse
             rows[label] = _per_prompt_scores(run_dir / "eval", metrics)
@@ -449,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                     seed,
                     args.eval_images,
                     tuple(args.override),
+                    base_work=args.out / "work",
                 )
                 for seed in range(args.seeds)
             ]

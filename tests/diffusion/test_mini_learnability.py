@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,3 +85,28 @@ def test_markdown_reports_the_acceptance_verdicts():
     text = learnability.markdown(report)
     assert "## Acceptance test (2 seeds, 40 epochs" in text
     assert "| r | 0.200 | 0.420 0.400 | 0.200 0.220 | +26% |" in text
+
+
+def test_checks_sharing_base_work_evaluate_the_base_model_once(tmp_path, monkeypatch):
+    evaluated = []
+
+    def run(command, log):  # stands in for the CLI: writes what each command would
+        out = Path(command[command.index("--out") + 1]) if "--out" in command else None
+        if command[3] == "eval":
+            evaluated.append(command[command.index("--label") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            rows = [{"prompt": p, "mini_count": 0.5, "mini_count_strict": 0.0} for p in "ab"]
+            (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (out / "summary.json").write_text("{}")
+        else:
+            run_dir = Path(next(a for a in command if a.startswith("run.directory=")).split("=")[1])
+            (run_dir / "lora").mkdir(parents=True)
+            (run_dir / "metrics.jsonl").write_text("")
+        return 1.0
+
+    monkeypatch.setattr(learnability, "_run", run)
+    for seed in (0, 1):
+        learnability.specialist_check(
+            "mini_count", tmp_path / f"s{seed}", tmp_path, 1, seed, 1, base_work=tmp_path
+        )
+    assert evaluated == ["base", "specialist", "control", "specialist", "control"]
