@@ -285,12 +285,13 @@ def _staleness_rows(results: list[RunResult]) -> list[dict[str, Any]]:
     rows = []
     for since, steps in sorted(groups.items()):
         applied = np.array([_number(s.get("harmonize/cos_min")) for s in steps])
+        to_fresh = np.array([s["stale/cos_to_fresh"] for s in steps])
         rows.append(
             {
                 "steps_since_solve": since,
                 "steps": len(steps),
-                "mean_cos_to_fresh": float(np.mean([s["stale/cos_to_fresh"] for s in steps])),
-                "min_cos_to_fresh": float(np.min([s["stale/cos_to_fresh"] for s in steps])),
+                "mean_cos_to_fresh": float(to_fresh.mean()),
+                "min_cos_to_fresh": float(to_fresh.min()),
                 "applied_negative_fraction": float(np.mean(applied[np.isfinite(applied)] < 0)),
                 "fresh_mean_min_cos": float(np.mean([s["stale/fresh_cos_min"] for s in steps])),
             }
