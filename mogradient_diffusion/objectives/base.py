@@ -153,6 +153,13 @@ class TrainPiece:
         return len(self.advantages)
 
 
+def applicable_counts(step: Sequence[TrainPiece]) -> torch.Tensor:
+    """[K'] how many entries (samples, or sample-steps) of the whole optimizer step each
+    objective applies to: the denominators that make a step's loss its mean whatever
+    pieces it is cut into."""
+    return sum((~torch.isnan(piece.advantages)).flatten(0, -2).sum(dim=0) for piece in step)
+
+
 class StepMetrics:
     """Weighted means of per-step diagnostics an objective reports while it yields losses.
 

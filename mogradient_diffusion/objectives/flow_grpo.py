@@ -29,6 +29,7 @@ from mogradient_diffusion.objectives.base import (
     Stateless,
     StepMetrics,
     TrainPiece,
+    applicable_counts,
 )
 from mogradient_diffusion.objectives.step_rollout import (
     RatioTracker,
@@ -229,7 +230,7 @@ class FlowGRPOObjective(Stateless):
         ratios = RatioTracker(metrics, self.settings.clip_range, self._fresh_rollout)
         self._fresh_rollout = False
         columns = len(step[0].data.steps)
-        valid_counts = sum((~torch.isnan(p.advantages)).sum(dim=0) for p in step) * columns
+        valid_counts = applicable_counts(step) * columns
         entries = sum(len(p) for p in step) * columns
         eta = self.settings.noise_level
         for piece in step:

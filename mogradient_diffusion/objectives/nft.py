@@ -27,6 +27,7 @@ from mogradient_diffusion.objectives.base import (
     Stateless,
     StepMetrics,
     TrainPiece,
+    applicable_counts,
 )
 from mogradient_diffusion.policy import Policy, PromptEmbeddings
 from mogradient_diffusion.rollout import rollout
@@ -175,7 +176,7 @@ class NFTObjective(Stateless):
             )
             for p in step
         ]
-        valid_counts = sum((~torch.isnan(piece.advantages)).sum(dim=0) for piece in step)
+        valid_counts = applicable_counts(step)
         total_rows = sum(len(piece) for piece in step)
         for piece, order in zip(step, orders, strict=True):
             latents = piece.data.latents

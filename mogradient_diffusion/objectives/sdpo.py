@@ -38,6 +38,7 @@ from mogradient_diffusion.objectives.base import (
     Scorer,
     StepMetrics,
     TrainPiece,
+    applicable_counts,
 )
 from mogradient_diffusion.objectives.step_rollout import (
     RatioTracker,
@@ -341,7 +342,7 @@ class SDPOObjective:
         rescored in one forward; every valid (pair, step) entry weighs the same."""
         ratios = RatioTracker(metrics, self.settings.clip_range, self._fresh_rollout)
         self._fresh_rollout = False
-        valid_counts = sum((~torch.isnan(p.advantages)).sum(dim=(0, 1)) for p in step)
+        valid_counts = applicable_counts(step)
         eta = self.settings.noise_level
         for piece in step:
             data: PairRollout = piece.data
