@@ -95,7 +95,11 @@ def methods(budget: Budget) -> list[Method]:
     stage = max(1, budget.epochs // len(TRAIN_REWARDS))
     stages = ", ".join(f"{{rewards: [{r}], epochs: {stage}}}" for r in TRAIN_REWARDS)
     singles = [
-        Method(f"single_{r}", f"single: {r}", ("strategy.name=single", f"strategy.reward={r}"))
+        Method(
+            f"single_{r}",
+            f"single: {r}",
+            ("strategy.name=single", f"strategy.reward={r}", own_prompts_override(r)),
+        )
         for r in TRAIN_REWARDS
     ]
     control = Method(
@@ -140,6 +144,34 @@ def cost_methods() -> list[Method]:
         Method("cost_marble", "MARBLE amortized (N=10)", ("strategy.name=marble",)),
         Method("cost_marble_every_step", "MARBLE every step (N=1)", ("strategy.period=1",)),
     ]
+
+
+def scored_by(reward: str, prompts: list[MiniPrompt]) -> list[MiniPrompt]:
+    """The ``prompts`` that ``reward`` scores (it returns NaN on the others)."""
+    import torch
+
+    import mogradient_diffusion.mini  # noqa: F401  (registers the mini rewards)
+    from mogradient_diffusion.rewards.registry import make_reward
+
+    blank = torch.zeros(len(prompts), 3, 8, 8)
+    scores = make_reward(reward)(blank, [p.text for p in prompts], [p.metadata for p in prompts])
+    return [p for p, s in zip(prompts, scores.tolist(), strict=True) if not math.isnan(s)]
+
+
+def sources_scored_by(reward: str) -> list[str]:
+    """The training prompt sources ``reward`` scores."""
+    train, _ = split_prompts(seed=0)
+    return [source for source, prompts in train.items() if scored_by(reward, prompts)]
+
+
+def own_prompts_override(reward: str) -> str:
+    """A specialist trains on the prompts its reward scores, as single-reward baselines train
+    on their reward's own prompt set: on the others its advantages are NaN, so those images
+    would cost a rollout and teach nothing."""
+    sources = ", ".join(
+        f"{{name: {source}, file: {source}.jsonl}}" for source in sources_scored_by(reward)
+    )
+    return f"prompts.sources=[{sources}]"
 
 
 def write_prompt_files(directory: Path) -> Path:

@@ -46,6 +46,8 @@ from mogradient_diffusion.mini.benchmark import (
     CONFIG,
     EVAL_STEPS,
     TRAIN_REWARDS,
+    own_prompts_override,
+    scored_by,
     write_prompt_files,
 )
 from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH
@@ -171,15 +173,8 @@ def _run(command: list[str], log: Path) -> float:
 
 def applicable_held_out(reward: str) -> list[MiniPrompt]:
     """The held-out prompts ``reward`` scores (NaN elsewhere)."""
-    import mogradient_diffusion.mini  # noqa: F401
-    from mogradient_diffusion.rewards.registry import make_reward
-
     _, held_out = split_prompts(seed=0)
-    prompts = [p for source in held_out.values() for p in source]
-    scorer = make_reward(reward)
-    blank = torch.zeros(len(prompts), 3, 8, 8)
-    scores = scorer(blank, [p.text for p in prompts], [p.metadata for p in prompts])
-    return [p for p, s in zip(prompts, scores.tolist(), strict=True) if not math.isnan(s)]
+    return scored_by(reward, [p for source in held_out.values() for p in source])
 
 
 def specialist_check(
@@ -192,8 +187,8 @@ def specialist_check(
     overrides: tuple[str, ...] = (),
     base_work: Path | None = None,
 ) -> dict[str, Any]:
-    """Train ``reward``'s specialist and its noise control (both with the recipe's
-    ``overrides``), evaluate both and the base.
+    """Train ``reward``'s specialist and its noise control (both on the prompts ``reward``
+    scores, with the recipe's ``overrides``), evaluate both and the base.
 
     The base evaluation does not depend on the training seed: checks that share
     ``base_work`` (default ``work``) evaluate it once.
@@ -227,7 +222,8 @@ def specialist_check(
                 *cli, "train", "--config", str(CONFIG), f"model.path={model}",
                 f"prompts.directory={prompts_dir}", f"run.directory={run_dir / 'run'}",
                 f"run.seed={seed}", f"train.epochs={epochs}", runs[label],
-                "strategy.name=single", f"strategy.reward={target}", *overrides,
+                "strategy.name=single", f"strategy.reward={target}",
+                own_prompts_override(reward), *overrides,
             ]  # fmt: skip
             result["seconds"][f"train_{label}"] = round(_run(command, run_dir / "train.log"), 1)
         if label in runs:

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from mogradient_diffusion.mini.benchmark import (
     BASE_MODEL,
@@ -64,6 +65,31 @@ def test_full_mode_has_every_row_the_issue_names():
     assert seeds["marble_rho0.1"] == seeds["marble_smoothed"] == {0, 1}  # ablations: 2
     assert seeds["base"] == {0}
     assert seeds["flow_grpo_marble"] == seeds["sdpo_weighted_sum"] == {0, 1}
+
+
+@pytest.mark.parametrize("reward", TRAIN_REWARDS)
+def test_specialists_train_on_every_prompt_their_reward_scores_and_no_other(tmp_path, reward):
+    import mogradient_diffusion.mini  # noqa: F401
+    from mogradient_diffusion.config import load_config
+    from mogradient_diffusion.rewards.registry import make_reward
+
+    method = next(m for m in methods(MODES["full"]) if m.key == f"single_{reward}")
+    config = load_config(
+        CONFIG, overrides=[f"model.path={BASE_MODEL}", f"prompts.directory={tmp_path}",
+                           f"run.directory={tmp_path / 'run'}", *method.overrides],
+    )  # fmt: skip
+    kept = {source.name for source in config.prompts.sources}
+    train, _ = split_prompts(seed=0)
+    scorer = make_reward(reward)
+    for source, prompts in train.items():
+        scores = scorer(
+            torch.zeros(len(prompts), 3, 8, 8),
+            [p.text for p in prompts],
+            [p.metadata for p in prompts],
+        )
+        assert (source in kept) == bool((~torch.isnan(scores)).any()), source
+        if source in kept:
+            assert not torch.isnan(scores).any(), f"{reward} skips some {source} prompts"
 
 
 @pytest.mark.parametrize(
