@@ -22,8 +22,10 @@ GenEval's 0.3 threshold with ``geneval_rules.select_objects`` and score them:
   position entry whether the largest blobs of the two colours stand in the relation.
 * ``mini_binding_strict`` (``color_attr``, ``position``, ``counting``):
   ``geneval_rules.strict_correct``, GenEval's accuracy (the held-out metric).
-* ``mini_ocr`` (``text``): the graded character-level reader ``reader`` trains with:
-  the share of the word's letters read right where the sign draws them.
+* ``mini_sign`` (``text``): the training reward of the text axis, how legibly a sign is
+  drawn, whatever it says: crisp ink on a clean board, as much ink as the word needs.
+* ``mini_ocr`` (``text``): the character-level reader ``reader``: the share of the
+  word's letters read right where the sign draws them (a held-out metric).
 * ``mini_noise``: uniform noise where another reward (option ``like``) applies, the
   control row that tells drift (any training moves every score) from learning.
 * ``mini_ocr_strict`` (``text``): 1 if Tesseract's normalized reading contains the
@@ -58,6 +60,7 @@ from mogradient_diffusion.rewards.ocr import OcrReward
 from mogradient_diffusion.rewards.registry import register_reward
 
 from .reader import read_sign_letters
+from .sign import sign_legibility
 from .vision import detect_shapes_batch
 
 
@@ -267,6 +270,31 @@ class MiniOcr(Reward):
                 word = targets[i]
                 read = read_sign_letters(image, word)
                 scores[i] = sum(a == b for a, b in zip(read, word.upper(), strict=True)) / len(word)
+        return scores
+
+
+@register_reward
+class MiniSign(Reward):
+    """How legibly the sign of a text prompt is drawn (``sign.sign_legibility``), in [0, 1].
+
+    The text axis's training reward. It does not read: at 64 px the base model's letters
+    on held-out words are at chance for the reader (``mini_ocr``), so no policy in the
+    CPU budget learns to spell a word it was not trained on, but a crisper sign with the
+    right amount of ink is learnable and carries over to unseen words.
+    """
+
+    name = "mini_sign"
+    value_range = (0.0, 1.0)
+
+    def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
+        scores = nan_scores(len(prompts))
+        if metadata is None:
+            return scores
+        targets = [MiniOcrStrict.target(meta) for meta in metadata]
+        todo = [i for i, word in enumerate(targets) if word is not None]
+        if todo:
+            for i, image in zip(todo, to_uint8_images(images[todo]), strict=True):
+                scores[i] = sign_legibility(image, targets[i])
         return scores
 
 

@@ -397,6 +397,34 @@ def test_mini_ocr_is_graded_by_letters_and_nan_off_text_prompts():
     assert scores[:3] == pytest.approx([1.0, 2 / 3, 0.0]) and math.isnan(scores[3])
 
 
+def test_sign_legibility_prefers_crisp_signs_with_the_words_ink():
+    from mogradient_diffusion.mini.sign import sign_legibility
+
+    for word in world.WORDS:
+        clean = world.render(world.Scene(text=word))
+        scores = [sign_legibility(np.asarray(clean), word)]
+        for radius in (0.7, 1.2, 2.0):  # ever blurrier: greyer ink, ink spread thin
+            blurred = clean.filter(ImageFilter.GaussianBlur(radius))
+            scores.append(sign_legibility(np.asarray(blurred), word))
+        assert scores[0] > 0.9 and scores == sorted(scores, reverse=True), (word, scores)
+        bold = clean.filter(ImageFilter.MinFilter(3))  # every stroke thickened: too much ink
+        assert sign_legibility(np.asarray(bold), word) < 0.75 * scores[0]
+    blank = np.asarray(world.render(world.Scene(text=" ")))
+    grey = np.full((64, 64, 3), 128, dtype=np.uint8)
+    assert sign_legibility(blank, "CAT") == 0.0 and sign_legibility(grey, "CAT") == 0.0
+    large = world.render(world.Scene(text="CAT"), size=128)  # read at the world's 64 px
+    assert sign_legibility(np.asarray(large), "CAT") > 0.85
+
+
+def test_mini_sign_scores_text_prompts_only():
+    prompt = world.text_prompts()[0]
+    images = [world.render(world.Scene(text=prompt.metadata["text"])), world.render(world.Scene())]
+    images.append(world.render(world.sample_scene(first("counting"), random.Random(0))))
+    scores = score_all(images, [prompt, prompt, first("counting")], names=("mini_sign",))
+    clean, no_sign, counting = scores["mini_sign"].tolist()
+    assert clean > 0.9 and no_sign < 0.1 and math.isnan(counting)
+
+
 def test_noise_control_applies_where_its_reward_does_and_is_seeded():
     prompts = [first("counting"), world.general_prompts()[0], world.text_prompts()[0]]
     images = torch.zeros(3, 3, 64, 64)
