@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -194,9 +195,11 @@ def _interleave(groups: list[list[MiniPrompt]]) -> list[MiniPrompt]:
 
 
 def _write_jsonl(path: Path, prompts: list[MiniPrompt]) -> None:
-    with path.open("w") as file:
-        for prompt in prompts:
-            file.write(json.dumps({"prompt": prompt.text, **prompt.metadata}) + "\n")
+    """Write atomically: concurrent checks rewrite the same files while others read them."""
+    text = "".join(json.dumps({"prompt": p.text, **p.metadata}) + "\n" for p in prompts)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        tmp.write(text)
+    os.replace(tmp.name, path)
 
 
 @dataclass

@@ -26,6 +26,7 @@ training seeds and gives each reward the verdict of the issue's acceptance test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -33,7 +34,9 @@ import platform
 import random
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -186,12 +189,14 @@ def specialist_check(
     eval_images: int,
     overrides: tuple[str, ...] = (),
     base_work: Path | None = None,
+    base_lock: threading.Lock | None = None,
 ) -> dict[str, Any]:
     """Train ``reward``'s specialist and its noise control (both on the prompts ``reward``
     scores, with the recipe's ``overrides``), evaluate both and the base.
 
     The base evaluation does not depend on the training seed: checks that share
-    ``base_work`` (default ``work``) evaluate it once.
+    ``base_work`` (default ``work``) evaluate it once (concurrent checks share
+    ``base_lock`` too).
     """
     prompts_dir = write_prompt_files(work / "prompts")
     held_out = applicable_held_out(reward)
@@ -208,14 +213,15 @@ def specialist_check(
     runs_target = {"specialist": reward, "control": "mini_noise"}
     result: dict[str, Any] = {"reward": reward, "held_out_prompts": len(held_out), "seconds": {}}
     rows: dict[str, np.ndarray] = {}
-    for label in ("base", *runs):
+
+    def _train_and_evaluate(label: str) -> None:
         run_dir = ((base_work or work) if label == "base" else work) / reward / label
         run_dir.mkdir(parents=True, exist_ok=True)
         if (run_dir / "eval" / "summary.json").is_file():  # finished earlier: reuse
             rows[label] = _per_prompt_scores(run_dir / "eval", metrics)
             if label in runs:
                 result[f"{label}_curve"] = _curve(run_dir / "run", runs_target[label])
-            continue
+            return
         if label in runs and not (run_dir / "run" / "lora").is_dir():  # else: trained earlier
             target = runs_target[label]
             command = [
@@ -239,6 +245,10 @@ def specialist_check(
             command += ["--lora", str(run_dir / "run" / "lora")]
         result["seconds"][f"eval_{label}"] = round(_run(command, run_dir / "eval.log"), 1)
         rows[label] = _per_prompt_scores(run_dir / "eval", metrics)
+
+    for label in ("base", *runs):
+        with base_lock if label == "base" and base_lock else contextlib.nullcontext():
+            _train_and_evaluate(label)
     result["metrics"] = {}
     for k, metric in enumerate(metrics):
         seen = ~np.isnan(rows["base"][:, k])  # the prompts this metric applies to
@@ -423,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=3, help="acceptance: seeds 0 .. n-1")
     parser.add_argument(
+        "--workers", type=int, default=1, help="acceptance: checks run at once (one core each)"
+    )
+    parser.add_argument(
         "--override", action="append", default=[], help="recipe key=value for both runs"
     )
     args = parser.parse_args(argv)
@@ -439,24 +452,31 @@ def main(argv: list[str] | None = None) -> int:
         report.setdefault("base", {})[args.label] = part
     elif args.mode == "acceptance":
         verdicts = {"seeds": args.seeds, "epochs": args.epochs, "overrides": args.override}
-        verdicts["rewards"] = {}
-        for reward in rewards:
-            per_seed = [
-                specialist_check(
-                    reward,
-                    args.out / "work" / f"acceptance_s{seed}",
-                    args.model,
-                    args.epochs,
-                    seed,
-                    args.eval_images,
-                    tuple(args.override),
-                    base_work=args.out / "work",
-                )
-                for seed in range(args.seeds)
-            ]
-            verdicts["rewards"][reward] = acceptance(per_seed, reward)
-            report["acceptance"] = verdicts
-            path.write_text(json.dumps(report, indent=1) + "\n")
+        base_locks = {reward: threading.Lock() for reward in rewards}
+
+        def check(reward: str, seed: int) -> dict[str, Any]:
+            return specialist_check(
+                reward,
+                args.out / "work" / f"acceptance_s{seed}",
+                args.model,
+                args.epochs,
+                seed,
+                args.eval_images,
+                tuple(args.override),
+                base_work=args.out / "work",
+                base_lock=base_locks[reward],
+            )
+
+        with ThreadPoolExecutor(args.workers) as pool:
+            futures = {
+                reward: [pool.submit(check, reward, seed) for seed in range(args.seeds)]
+                for reward in rewards
+            }
+            verdicts["rewards"] = {
+                reward: acceptance([f.result() for f in per_seed], reward)
+                for reward, per_seed in futures.items()
+            }
+        report["acceptance"] = verdicts
     else:
         for reward in rewards:
             work = args.out / "work"

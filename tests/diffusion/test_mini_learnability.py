@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -87,15 +89,24 @@ def test_markdown_reports_the_acceptance_verdicts():
     assert "| r | 0.200 | 0.420 0.400 | 0.200 0.220 | +26% |" in text
 
 
-def test_checks_sharing_base_work_evaluate_the_base_model_once(tmp_path, monkeypatch):
-    evaluated = []
+class FakeCli:
+    """Stands in for the CLI children: writes what each command would, records evaluations."""
 
-    def run(command, log):  # stands in for the CLI: writes what each command would
-        out = Path(command[command.index("--out") + 1]) if "--out" in command else None
+    def __init__(self, base_seconds: float = 0.0):
+        self.evaluated: list[str] = []
+        self.base_seconds = base_seconds  # a slow base evaluation invites races
+        self.lock = threading.Lock()
+
+    def __call__(self, command: list[str], log: Path) -> float:
         if command[3] == "eval":
-            evaluated.append(command[command.index("--label") + 1])
+            label = command[command.index("--label") + 1]
+            time.sleep(self.base_seconds if label == "base" else 0.0)
+            with self.lock:
+                self.evaluated.append(label)
+            out = Path(command[command.index("--out") + 1])
             out.mkdir(parents=True, exist_ok=True)
-            rows = [{"prompt": p, "mini_count": 0.5, "mini_count_strict": 0.0} for p in "ab"]
+            score = {"base": 0.1, "specialist": 0.5, "control": 0.2}[label]
+            rows = [{"prompt": p, "mini_count": score, "mini_count_strict": 0.0} for p in "ab"]
             (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             (out / "summary.json").write_text("{}")
         else:
@@ -104,9 +115,22 @@ def test_checks_sharing_base_work_evaluate_the_base_model_once(tmp_path, monkeyp
             (run_dir / "metrics.jsonl").write_text("")
         return 1.0
 
-    monkeypatch.setattr(learnability, "_run", run)
+
+def test_checks_sharing_base_work_evaluate_the_base_model_once(tmp_path, monkeypatch):
+    cli = FakeCli()
+    monkeypatch.setattr(learnability, "_run", cli)
     for seed in (0, 1):
         learnability.specialist_check(
             "mini_count", tmp_path / f"s{seed}", tmp_path, 1, seed, 1, base_work=tmp_path
         )
-    assert evaluated == ["base", "specialist", "control", "specialist", "control"]
+    assert cli.evaluated == ["base", "specialist", "control", "specialist", "control"]
+
+
+def test_concurrent_acceptance_checks_evaluate_the_base_once(tmp_path, monkeypatch):
+    cli = FakeCli(base_seconds=0.2)
+    monkeypatch.setattr(learnability, "_run", cli)
+    argv = ["acceptance", "--rewards", "mini_count", "--seeds", "3", "--workers", "3"]
+    learnability.main([*argv, "--out", str(tmp_path), "--model", str(tmp_path)])
+    assert sorted(cli.evaluated) == ["base"] + ["control"] * 3 + ["specialist"] * 3
+    verdict = json.loads((tmp_path / "learnability.json").read_text())["acceptance"]
+    assert verdict["rewards"]["mini_count"]["specialist"] == [0.5] * 3
