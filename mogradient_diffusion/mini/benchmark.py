@@ -33,9 +33,10 @@ from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
 HERE = Path(__file__).parent
 BASE_MODEL = HERE / "base_model"
 CONFIG = HERE / "config.yaml"
-TRAIN_REWARDS = ("mini_preference", "mini_alignment", "mini_ocr", "mini_count", "mini_binding")
+TRAIN_REWARDS = ("mini_preference", "mini_alignment", "mini_sign", "mini_count", "mini_binding")
 HELD_OUT = (
     "mini_preference_heldout",
+    "mini_ocr",
     "mini_count_strict",
     "mini_binding_strict",
     "mini_ocr_strict",

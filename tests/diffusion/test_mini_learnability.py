@@ -29,7 +29,7 @@ def test_group_statistics_separate_within_from_between_group_spread():
     [
         ("mini_count", {"counting", "general"}),
         ("mini_binding", {"color_attr", "position", "general"}),
-        ("mini_ocr", {"text"}),
+        ("mini_sign", {"text"}),
     ],
 )
 def test_held_out_prompts_are_those_the_reward_applies_to(reward, tags):
