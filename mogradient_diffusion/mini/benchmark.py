@@ -57,7 +57,9 @@ class Method:
     label: str
     overrides: tuple[str, ...] = ()
     table: str = "main"  # "main", "ablations" or "objectives" (the last two: ablation seeds)
-    probe: bool = False  # log cos(update, g_k) on every step (conflict table)
+    # Log cos(update, g_k) on every step of seed 0 (the conflict table): the probe's K
+    # extra backward passes per step triple a run's cost, and one seed gives every step.
+    probe: bool = False
     trains: bool = True
 
     @property
@@ -250,7 +252,8 @@ def run_one(
             *cli, "train", "--config", str(CONFIG),
             f"model.path={model}", f"prompts.directory={prompts}",
             f"run.directory={run_dir}", f"run.seed={seed}", f"train.epochs={budget.epochs}",
-            f"run.conflict_probe={str(method.probe).lower()}", *method.overrides,
+            f"run.conflict_probe={str(method.probe and seed == 0).lower()}",
+            *method.overrides,
         ]  # fmt: skip
         result.train_seconds, result.peak_rss_mib = _child(command, run_dir / "train.log")
         process = {"seconds": result.train_seconds, "peak_rss_mib": result.peak_rss_mib}

@@ -195,14 +195,24 @@ def _control_table(rows: list[dict[str, Any]], rewards: list[str]) -> list[str]:
 # --- conflict ------------------------------------------------------------------------------
 
 
-def step_cosines(run_dir: Path) -> list[dict[str, float]]:
-    """(cos_min, cos_var, solved) of every optimizer step with usable cosines, in order."""
+def step_cosines(run_dir: Path) -> list[dict[str, Any]]:
+    """(cos_min, cos_var, solved) of every optimizer step, in order, but stationary ones
+    (no direction to compare with); the cosines are None where the step logged none (a
+    cached step without the probe)."""
     steps = []
     for record in read_metrics(run_dir):
         for step in record["optimizer_steps"]:
+            if step.get("harmonize/stationary"):
+                continue
             low, var = step.get("harmonize/cos_min"), step.get("harmonize/cos_var")
-            if low is not None and var is not None and not step.get("harmonize/stationary"):
-                steps.append({"cos_min": low, "cos_var": var, "solved": step["solved"]})
+            usable = low is not None and var is not None
+            steps.append(
+                {
+                    "cos_min": low if usable else None,
+                    "cos_var": var if usable else None,
+                    "solved": step["solved"],
+                }
+            )
     return steps
 
 
@@ -222,8 +232,14 @@ def _conflict_rows(results: list[RunResult]) -> list[dict[str, Any]]:
     rows = []
     for label, key, solved in CONFLICT_ROWS:
         runs = [r for r in results if r.method.key == key and r.run_dir is not None]
-        steps = [s for r in runs for s in step_cosines(r.run_dir)]
-        steps = [s for s in steps if solved is None or s["solved"] == solved]
+        per_run = []
+        for run in runs:
+            chosen = [
+                s for s in step_cosines(run.run_dir) if solved is None or s["solved"] == solved
+            ]
+            if chosen and all(s["cos_min"] is not None for s in chosen):  # a run counts whole
+                per_run.append(chosen)
+        steps = [s for run_steps in per_run for s in run_steps]
         if not steps:
             continue
         lows = np.array([s["cos_min"] for s in steps])
@@ -231,7 +247,7 @@ def _conflict_rows(results: list[RunResult]) -> list[dict[str, Any]]:
             {
                 "key": key,
                 "label": label,
-                "seeds": len(runs),
+                "seeds": len(per_run),
                 "steps": len(steps),
                 "negative_fraction": float((lows < 0).mean()),
                 "mean_min_cos": float(lows.mean()),
@@ -256,9 +272,10 @@ def _conflict_table(rows: list[dict[str, Any]]) -> list[str]:
         )
     lines += [
         "",
-        "Every optimizer step of every seed: K per-reward NFT gradients (per-reward "
-        "advantages, the step's own samples and noise) against the update applied "
-        "(`run.conflict_probe`; on full-solve steps the gradients the solve used). MARBLE's "
+        "Every optimizer step of seed 0 (`run.conflict_probe`), and the full-solve steps of "
+        "every seed: K per-reward NFT gradients (per-reward advantages, the step's own "
+        "samples and noise) against the update applied (on full-solve steps the gradients "
+        "the solve used). MARBLE's "
         "solve steps apply the fresh MGDA solution, as in the published pseudocode, so "
         "their worst cosine is >= 0 up to round-off; the ablation that applies the "
         "EMA-smoothed weights on solve steps (`strategy.smooth_solve_steps`) has no such "

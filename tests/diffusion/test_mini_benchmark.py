@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from mogradient_diffusion.mini import benchmark
 from mogradient_diffusion.mini.benchmark import (
     BASE_MODEL,
     CONFIG,
@@ -21,9 +22,10 @@ from mogradient_diffusion.mini.benchmark import (
     jobs_of,
     main,
     methods,
+    run_one,
     write_prompt_files,
 )
-from mogradient_diffusion.mini.report import _control_rows, _staleness_rows
+from mogradient_diffusion.mini.report import _conflict_rows, _control_rows, _staleness_rows
 from mogradient_diffusion.mini.world import all_prompts, split_prompts, vocabulary
 from mogradient_diffusion.prompts import load_prompt_file
 
@@ -137,6 +139,45 @@ def test_staleness_groups_cached_steps_by_steps_since_their_solve(tmp_path):
     assert rows[1]["min_cos_to_fresh"] == pytest.approx(0.5)
     assert rows[1]["applied_negative_fraction"] == pytest.approx(0.5)
     assert rows[1]["fresh_mean_min_cos"] == pytest.approx(0.1)
+
+
+def test_conflict_rows_count_a_run_only_where_it_logged_every_step(tmp_path):
+    def run(seed, steps):
+        directory = tmp_path / f"s{seed}"
+        directory.mkdir()
+        (directory / "metrics.jsonl").write_text(json.dumps({"optimizer_steps": steps}) + "\n")
+        return RunResult(Method("marble", "MARBLE"), seed, directory, directory / "eval")
+
+    def solve(cos):
+        return {"solved": 1, "harmonize/cos_min": cos, "harmonize/cos_var": 0.01}
+
+    cached = {"solved": 0, "harmonize/cos_min": -0.2, "harmonize/cos_var": 0.1}
+    stationary = {"solved": 0, "harmonize/stationary": 1.0}
+    probed = run(0, [solve(0.3), cached, stationary])
+    unprobed = run(1, [solve(0.1), {"solved": 0}])  # cached steps log no cosines unprobed
+    rows = {row["label"]: row for row in _conflict_rows([probed, unprobed])}
+    every = rows["MARBLE (N=10, rho 0.7), all steps"]
+    assert (every["seeds"], every["steps"], every["negative_fraction"]) == (1, 2, 0.5)
+    solves = rows["MARBLE: its full-solve steps"]
+    assert (solves["seeds"], solves["steps"]) == (2, 2)
+    assert solves["mean_min_cos"] == pytest.approx(0.2)
+    assert rows["MARBLE: its cached-weight steps"]["seeds"] == 1
+
+
+def test_only_seed_zero_runs_the_conflict_probe(tmp_path, monkeypatch):
+    commands = []
+
+    def child(command, log):
+        commands.append(command)
+        raise StopIteration  # the training command is all this test needs
+
+    monkeypatch.setattr(benchmark, "_child", child)
+    marble = next(m for m in methods(MODES["full"]) if m.key == "marble")
+    for seed in (0, 1):
+        with pytest.raises(StopIteration):
+            run_one(marble, seed, MODES["full"], tmp_path, tmp_path, BASE_MODEL)
+    probes = [next(a for a in c if a.startswith("run.conflict_probe=")) for c in commands]
+    assert probes == ["run.conflict_probe=true", "run.conflict_probe=false"]
 
 
 @pytest.mark.slow
