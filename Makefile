@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: demo toys mini test fuzz lint bench bench-gpu mtl clean
+.PHONY: demo toys mini mini-objectives test fuzz lint bench bench-gpu mtl clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# Debian's Tesseract for the OCR reward (skipped when already on PATH).
@@ -31,6 +31,11 @@ toys: $(STAMP)
 # `make mini RESUME=1` keeps finished runs of an interrupted one and does the rest.
 mini: $(STAMP)
 	$(PY) -m mogradient_diffusion.mini.benchmark --mode full --out benchmarks/results/mini --work results/mini_work $(if $(RESUME),--resume)
+
+# Flow-GRPO and SDPO under weighted sum and MARBLE (2 seeds), beside NFT's rows of `make mini`
+# (reused from its work folder, so run it after `make mini`).
+mini-objectives: $(STAMP)
+	$(PY) -m mogradient_diffusion.mini.benchmark --mode objectives --out benchmarks/results/mini_objectives --work results/mini_work --resume
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -75,16 +75,31 @@ class Budget:
     ablation_seeds: int
     eval_prompts: int | None  # None: every held-out prompt
     eval_images: int
-    full: bool  # every baseline and ablation, and the cost runs
+    # "few": base, weighted sum, MARBLE; "head_to_head": every baseline and ablation and
+    # the cost runs; "objectives": the few rows again under Flow-GRPO and SDPO.
+    rows: str = "few"
 
 
 MODES = {
-    "test": Budget(epochs=1, seeds=1, ablation_seeds=1, eval_prompts=6, eval_images=1, full=False),
-    "quick": Budget(
-        epochs=4, seeds=1, ablation_seeds=1, eval_prompts=24, eval_images=1, full=False
-    ),
+    "test": Budget(epochs=1, seeds=1, ablation_seeds=1, eval_prompts=6, eval_images=1),
+    "quick": Budget(epochs=4, seeds=1, ablation_seeds=1, eval_prompts=24, eval_images=1),
     "full": Budget(
-        epochs=40, seeds=3, ablation_seeds=2, eval_prompts=None, eval_images=2, full=True
+        epochs=40,
+        seeds=3,
+        ablation_seeds=2,
+        eval_prompts=None,
+        eval_images=2,
+        rows="head_to_head",
+    ),
+    # Its own run (its own --out; the same --work reuses full's NFT rows): Flow-GRPO and
+    # SDPO are not part of the head-to-head's budget.
+    "objectives": Budget(
+        epochs=40,
+        seeds=3,
+        ablation_seeds=2,
+        eval_prompts=None,
+        eval_images=2,
+        rows="objectives",
     ),
 }
 
@@ -94,8 +109,10 @@ def methods(budget: Budget) -> list[Method]:
     base = Method("base", "base model", trains=False)
     weighted = Method("weighted_sum", "weighted sum", ("strategy.name=weighted_sum",), probe=True)
     marble = Method("marble", "MARBLE (N=10, rho 0.7)", ("strategy.name=marble",), probe=True)
-    if not budget.full:
+    if budget.rows == "few":
         return [base, weighted, marble]
+    if budget.rows == "objectives":
+        return [base, weighted, marble, *objective_methods()]
     stage = max(1, budget.epochs // len(TRAIN_REWARDS))
     stages = ", ".join(f"{{rewards: [{r}], epochs: {stage}}}" for r in TRAIN_REWARDS)
     singles = [
@@ -132,13 +149,17 @@ def methods(budget: Budget) -> list[Method]:
         Method(f"marble_rho{rho}", f"MARBLE rho {rho}", (f"strategy.rho={rho}",), **ablation)
         for rho in (0.1, 0.3, 0.5, 0.9)
     ]  # fmt: skip
-    objectives = [
+    return [base, control, *singles, weighted, *baselines, marble, *ablations]
+
+
+def objective_methods() -> list[Method]:
+    """Weighted sum and MARBLE trained with Flow-GRPO and SDPO instead of DiffusionNFT."""
+    return [
         Method(f"{objective}_{strategy}", f"{label}, {strategy_label}",
                (*OBJECTIVE_OVERRIDES[objective], f"strategy.name={strategy}"), table="objectives")
         for objective, label in (("flow_grpo", "Flow-GRPO"), ("sdpo", "SDPO"))
         for strategy, strategy_label in (("weighted_sum", "weighted sum"), ("marble", "MARBLE"))
     ]  # fmt: skip
-    return [base, control, *singles, weighted, *baselines, marble, *ablations, *objectives]
 
 
 def cost_methods() -> list[Method]:
@@ -286,7 +307,7 @@ def jobs_of(budget: Budget) -> list[tuple[Method, int]]:
             1 if not method.trains else budget.ablation_seeds if method.ablation else budget.seeds
         )
     ]
-    return jobs + [(method, 0) for method in cost_methods()] if budget.full else jobs
+    return jobs + [(m, 0) for m in cost_methods()] if budget.rows == "head_to_head" else jobs
 
 
 def collect_results(mode: str, work: Path) -> list[RunResult]:

@@ -22,6 +22,7 @@ from mogradient_diffusion.mini.benchmark import (
     jobs_of,
     main,
     methods,
+    objective_methods,
     run_one,
     write_prompt_files,
 )
@@ -66,7 +67,13 @@ def test_full_mode_has_every_row_the_issue_names():
     assert seeds["marble"] == seeds["noise_control"] == {0, 1, 2}  # main rows: 3 seeds
     assert seeds["marble_rho0.1"] == seeds["marble_smoothed"] == {0, 1}  # ablations: 2
     assert seeds["base"] == {0}
-    assert seeds["flow_grpo_marble"] == seeds["sdpo_weighted_sum"] == {0, 1}
+    assert not any(key.startswith(("flow_grpo", "sdpo")) for key in seeds)  # their own mode
+    objective_seeds = {}
+    for method, seed in jobs_of(MODES["objectives"]):
+        objective_seeds.setdefault(method.key, set()).add(seed)
+    assert objective_seeds["flow_grpo_marble"] == objective_seeds["sdpo_weighted_sum"] == {0, 1}
+    assert objective_seeds["marble"] == seeds["marble"]  # the NFT rows, reused from full's work
+    assert MODES["objectives"].epochs == MODES["full"].epochs
 
 
 @pytest.mark.parametrize("reward", TRAIN_REWARDS)
@@ -100,7 +107,7 @@ def test_specialists_train_on_every_prompt_their_reward_scores_and_no_other(tmp_
 def test_objective_rows_are_valid_recipes(tmp_path, objective, strategy):
     from mogradient_diffusion.config import load_config
 
-    method = next(m for m in methods(MODES["full"]) if m.key == f"{objective}_{strategy}")
+    method = next(m for m in objective_methods() if m.key == f"{objective}_{strategy}")
     config = load_config(
         CONFIG, overrides=[f"model.path={BASE_MODEL}", f"prompts.directory={tmp_path}",
                            f"run.directory={tmp_path / 'run'}", *method.overrides],
