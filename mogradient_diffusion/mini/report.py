@@ -57,6 +57,7 @@ def write_report(
         "staleness": staleness,
         "versus_control": versus_control,
         "cost": cost,
+        "rising": _rising_rows(scored, list(TRAIN_REWARDS)),
     }
     (out / "results.json").write_text(json.dumps(report, indent=2))
     lines = [
@@ -76,6 +77,8 @@ def write_report(
     if len(objectives) > len(NFT_REFERENCE_ROWS):
         lines += ["", "## Objectives: DiffusionNFT (the rows above) vs Flow-GRPO vs SDPO", ""]
         lines += _table(objectives, metrics)
+    if report["rising"]:
+        lines += ["", *rising_table(report["rising"], list(TRAIN_REWARDS))]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     conflict_lines = _conflict_table(conflict)
     if staleness:
@@ -128,10 +131,13 @@ def _table(rows: list[dict[str, Any]], metrics: list[str]) -> list[str]:
     texts = [{m: _mean_std(row["mean"][m], row["std"][m]) for m in metrics} for row in rows]
     labels = [f"{row['label']} | {row['seeds']}" for row in rows]
     lines = ranked_table(labels, [row["mean"] for row in rows], metrics, texts, "method | seeds")
+    from mogradient_diffusion.mini.benchmark import HELD_OUT, TRAIN_REWARDS
+
     note = (
         "Mean ± std over seeds of each metric on the held-out prompts; composite = mean of "
         "per-column z-scores across these rows. **best**, <u>second</u>. Trained rewards: "
-        "the first five columns; the last four no method trained on."
+        f"the first {len(TRAIN_REWARDS)} columns; the last {len(HELD_OUT)} no method "
+        "trained on."
     )
     return [*lines, "", note]
 
@@ -141,6 +147,56 @@ def _mean_std(mean: float, std: float) -> str:
 
 
 # --- learning vs drift ----------------------------------------------------------------------
+
+
+def _rising_rows(results: list[RunResult], rewards: list[str]) -> list[dict[str, Any]]:
+    """Per main-table method, each reward it trains on: its mean on the training rollouts
+    over the first and the last third of the epochs (mean over seeds)."""
+    by_method: dict[str, list[RunResult]] = defaultdict(list)
+    for result in results:
+        if result.run_dir is not None and result.method.table == "main":
+            by_method[result.method.key].append(result)
+    rows = []
+    for runs in by_method.values():
+        per_reward: dict[str, dict[str, float]] = {}
+        for name in rewards:
+            firsts, lasts = [], []
+            for run in runs:
+                series = [_number(r.get(f"reward/{name}/mean")) for r in read_metrics(run.run_dir)]
+                series = [v for v in series if math.isfinite(v)]
+                if len(series) >= 3:
+                    third = len(series) // 3
+                    firsts.append(float(np.mean(series[:third])))
+                    lasts.append(float(np.mean(series[-third:])))
+            if firsts:
+                per_reward[name] = {"first": float(np.mean(firsts)), "last": float(np.mean(lasts))}
+        if per_reward:
+            method = runs[0].method
+            rows.append({"key": method.key, "label": method.label, "rewards": per_reward})
+    return rows
+
+
+def rising_table(rows: list[dict[str, Any]], rewards: list[str]) -> list[str]:
+    lines = [
+        "## Trained rewards on the training rollouts: first third of the epochs -> last third",
+        "",
+        "| method | " + " | ".join(rewards) + " |",
+        "|---|" + "---|" * len(rewards),
+    ]
+    for row in rows:
+        cells = [
+            f"{row['rewards'][n]['first']:.3f} -> {row['rewards'][n]['last']:.3f}"
+            if n in row["rewards"]
+            else ""
+            for n in rewards
+        ]
+        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "The rewards each method trains on, as it saw them on its own rollouts (training "
+        "prompts): whether it climbs at all. Held-out means above say whether it carries over.",
+    ]
+    return lines
 
 
 def _control_rows(rows: list[dict[str, Any]], rewards: list[str]) -> list[dict[str, Any]]:

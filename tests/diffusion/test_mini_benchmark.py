@@ -26,7 +26,13 @@ from mogradient_diffusion.mini.benchmark import (
     run_one,
     write_prompt_files,
 )
-from mogradient_diffusion.mini.report import _conflict_rows, _control_rows, _staleness_rows
+from mogradient_diffusion.mini.report import (
+    _conflict_rows,
+    _control_rows,
+    _rising_rows,
+    _staleness_rows,
+    rising_table,
+)
 from mogradient_diffusion.mini.world import all_prompts, split_prompts, vocabulary
 from mogradient_diffusion.prompts import load_prompt_file
 
@@ -148,6 +154,27 @@ def test_staleness_groups_cached_steps_by_steps_since_their_solve(tmp_path):
     assert rows[1]["fresh_mean_min_cos"] == pytest.approx(0.1)
 
 
+def test_rising_rows_compare_the_first_and_last_third_of_the_training_curve(tmp_path):
+    def run(key, seed, values, table="main"):
+        directory = tmp_path / f"{key}_{seed}"
+        directory.mkdir()
+        records = [{"optimizer_steps": [], "reward/r/mean": v} for v in values]
+        (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return RunResult(Method(key, key, table=table), seed, directory, directory / "eval")
+
+    results = [
+        run("m", 0, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]),
+        run("m", 1, [0.3, None, 0.3, 0.5, 0.5, 0.7, 0.7]),  # no score that epoch: skipped
+        run("short", 0, [0.1, 0.9]),  # too short to have thirds
+        run("ablation", 0, [0.1, 0.2, 0.3], table="ablations"),
+    ]
+    (row,) = _rising_rows(results, ["r", "other"])
+    assert row["key"] == "m" and set(row["rewards"]) == {"r"}
+    assert row["rewards"]["r"]["first"] == pytest.approx((0.15 + 0.3) / 2)
+    assert row["rewards"]["r"]["last"] == pytest.approx((0.55 + 0.7) / 2)
+    assert "| m | 0.225 -> 0.625 |  |" in rising_table([row], ["r", "other"])
+
+
 def test_conflict_rows_count_a_run_only_where_it_logged_every_step(tmp_path):
     def run(seed, steps):
         directory = tmp_path / f"s{seed}"
@@ -193,7 +220,8 @@ def test_minimal_head_to_head_writes_tables_plots_and_grids(tmp_path):
     out = tmp_path / "mini"
     assert main(["--mode", "test", "--out", str(out), "--workers", "2"]) == 0
     report = json.loads((out / "results.json").read_text())
-    assert [row["key"] for row in report["rows"]] == ["base", "weighted_sum", "marble"]
+    keys = ["base", "single_mini_sign", "weighted_sum", "marble"]
+    assert [row["key"] for row in report["rows"]] == keys
     for row in report["rows"]:
         for name in (*TRAIN_REWARDS, *HELD_OUT):
             assert math.isfinite(row["mean"][name]), (row["key"], name)
@@ -201,11 +229,7 @@ def test_minimal_head_to_head_writes_tables_plots_and_grids(tmp_path):
     assert all(row["steps"] > 0 for row in report["conflict"])
     for name in ("table.md", "conflict.md", "curves.png", "weights.png"):
         assert (out / name).stat().st_size > 0
-    assert {p.name for p in (out / "grids").iterdir()} == {
-        "base.png",
-        "weighted_sum.png",
-        "marble.png",
-    }
+    assert {p.name for p in (out / "grids").iterdir()} == {f"{key}.png" for key in keys}
 
 
 def test_resumed_head_to_head_redoes_no_finished_work(tmp_path, monkeypatch):
