@@ -14,11 +14,13 @@ from mogradient_diffusion.mini import benchmark
 from mogradient_diffusion.mini.benchmark import (
     BASE_MODEL,
     CONFIG,
+    COST_EPOCHS,
     HELD_OUT,
     MODES,
     TRAIN_REWARDS,
     Method,
     RunResult,
+    cost_methods,
     jobs_of,
     main,
     methods,
@@ -80,6 +82,18 @@ def test_full_mode_has_every_row_the_issue_names():
     assert objective_seeds["flow_grpo_marble"] == objective_seeds["sdpo_weighted_sum"] == {0, 1}
     assert objective_seeds["marble"] == seeds["marble"]  # the NFT rows, reused from full's work
     assert MODES["objectives"].epochs == MODES["full"].epochs
+
+
+def test_cost_runs_train_fewer_epochs_than_the_budget(tmp_path):
+    from mogradient_diffusion.config import load_config
+
+    for method in cost_methods():
+        config = load_config(
+            CONFIG, overrides=[f"model.path={BASE_MODEL}", f"prompts.directory={tmp_path}",
+                               f"run.directory={tmp_path / 'run'}",
+                               f"train.epochs={MODES['full'].epochs}", *method.overrides],
+        )  # fmt: skip
+        assert config.train.epochs == COST_EPOCHS < MODES["full"].epochs
 
 
 @pytest.mark.parametrize("reward", TRAIN_REWARDS)
