@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import yaml
 
 from mogradient_diffusion.compare import metric_value, ranked_table
 from mogradient_diffusion.runlog import read_metrics
@@ -159,7 +160,7 @@ def _rising_rows(results: list[RunResult], rewards: list[str]) -> list[dict[str,
     rows = []
     for runs in by_method.values():
         per_reward: dict[str, dict[str, float]] = {}
-        for name in rewards:
+        for name in _trained(runs[0].run_dir, rewards):
             firsts, lasts = [], []
             for run in runs:
                 series = [_number(r.get(f"reward/{name}/mean")) for r in read_metrics(run.run_dir)]
@@ -174,6 +175,12 @@ def _rising_rows(results: list[RunResult], rewards: list[str]) -> list[dict[str,
             method = runs[0].method
             rows.append({"key": method.key, "label": method.label, "rewards": per_reward})
     return rows
+
+
+def _trained(run_dir: Path, rewards: list[str]) -> list[str]:
+    """The rewards a run trains on: a single-reward run logs the others without training."""
+    strategy = yaml.safe_load((run_dir / "config.yaml").read_text()).get("strategy", {})
+    return [strategy["reward"]] if strategy.get("name") == "single" else rewards
 
 
 def rising_table(rows: list[dict[str, Any]], rewards: list[str]) -> list[str]:

@@ -172,8 +172,10 @@ def test_rising_rows_compare_the_first_and_last_third_of_the_training_curve(tmp_
     def run(key, seed, values, table="main"):
         directory = tmp_path / f"{key}_{seed}"
         directory.mkdir()
-        records = [{"optimizer_steps": [], "reward/r/mean": v} for v in values]
+        records = [{"optimizer_steps": [], "reward/r/mean": v, "reward/o/mean": v} for v in values]
         (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        strategy = {"name": "single", "reward": "r"} if key.startswith("single") else {}
+        (directory / "config.yaml").write_text(json.dumps({"strategy": strategy}))
         return RunResult(Method(key, key, table=table), seed, directory, directory / "eval")
 
     results = [
@@ -181,9 +183,11 @@ def test_rising_rows_compare_the_first_and_last_third_of_the_training_curve(tmp_
         run("m", 1, [0.3, None, 0.3, 0.5, 0.5, 0.7, 0.7]),  # no score that epoch: skipped
         run("short", 0, [0.1, 0.9]),  # too short to have thirds
         run("ablation", 0, [0.1, 0.2, 0.3], table="ablations"),
+        run("single_r", 0, [0.1, 0.2, 0.3]),  # logs "o" too, but trains only on "r"
     ]
-    (row,) = _rising_rows(results, ["r", "other"])
-    assert row["key"] == "m" and set(row["rewards"]) == {"r"}
+    row, single = _rising_rows(results, ["r", "o", "other"])
+    assert row["key"] == "m" and set(row["rewards"]) == {"r", "o"}
+    assert single["key"] == "single_r" and set(single["rewards"]) == {"r"}
     assert row["rewards"]["r"]["first"] == pytest.approx((0.15 + 0.3) / 2)
     assert row["rewards"]["r"]["last"] == pytest.approx((0.55 + 0.7) / 2)
     assert "| m | 0.225 -> 0.625 |  |" in rising_table([row], ["r", "other"])
