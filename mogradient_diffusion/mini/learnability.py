@@ -327,6 +327,19 @@ def acceptance(per_seed: list[dict[str, Any]], metric: str) -> dict[str, Any]:
     }
 
 
+def verdict_with_context(per_seed: list[dict[str, Any]], reward: str) -> dict[str, Any]:
+    """``acceptance`` on the trained reward, with the same comparison on its held-out
+    metrics (not part of the verdict) and each seed's training curve."""
+    verdict = acceptance(per_seed, reward)
+    verdict["held_out"] = {
+        metric: acceptance(per_seed, metric)
+        for metric in per_seed[0]["metrics"]
+        if metric != reward
+    }
+    verdict["curves"] = [check.get("specialist_curve", []) for check in per_seed]
+    return verdict
+
+
 # --- report -----------------------------------------------------------------------------------
 
 
@@ -414,6 +427,23 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {v['gain_share_of_headroom']:+.0%} | {v['specialist_minus_control']:+.3f} "
                 f"| {v['separation_in_seed_std']:+.1f} | {'yes' if v['passed'] else 'no'} |"
             )
+        lines += ["", "The same comparison on the held-out metrics each reward stands in for "
+                  "(no part of the verdict), and the specialists' training curves (their reward "
+                  "on their own rollouts, mean over seeds of each 10 epochs):", ""]  # fmt: skip
+        for reward, v in verdicts["rewards"].items():
+            for metric, h in v.get("held_out", {}).items():
+                lines.append(
+                    f"- {reward} -> {metric}: base {h['base']:.3f}, specialist "
+                    f"{' '.join(f'{x:.3f}' for x in h['specialist'])}, control "
+                    f"{' '.join(f'{x:.3f}' for x in h['control'])} "
+                    f"({h['gain_share_of_headroom']:+.0%} of the headroom)"
+                )
+            curves = [c for c in v.get("curves", []) if c]
+            if curves:
+                length = min(len(c) for c in curves)
+                mean = np.mean([c[:length] for c in curves], axis=0)
+                tens = [float(np.mean(mean[i : i + 10])) for i in range(0, length, 10)]
+                lines.append(f"- {reward} curve: " + " -> ".join(f"{t:.3f}" for t in tens))
         lines.append("")
     for note in report.get("notes", []):
         lines.append(note)
@@ -473,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                 for reward in rewards
             }
             verdicts["rewards"] = {
-                reward: acceptance([f.result() for f in per_seed], reward)
+                reward: verdict_with_context([f.result() for f in per_seed], reward)
                 for reward, per_seed in futures.items()
             }
         earlier = report.get("acceptance", {})

@@ -133,4 +133,8 @@ def test_concurrent_acceptance_checks_evaluate_the_base_once(tmp_path, monkeypat
     learnability.main([*argv, "--out", str(tmp_path), "--model", str(tmp_path)])
     assert sorted(cli.evaluated) == ["base"] + ["control"] * 3 + ["specialist"] * 3
     verdict = json.loads((tmp_path / "learnability.json").read_text())["acceptance"]
-    assert verdict["rewards"]["mini_count"]["specialist"] == [0.5] * 3
+    count = verdict["rewards"]["mini_count"]
+    assert count["specialist"] == [0.5] * 3 and count["curves"] == [[], [], []]
+    assert count["held_out"]["mini_count_strict"]["specialist"] == [0.0] * 3
+    report = (tmp_path / "learnability.md").read_text()
+    assert "- mini_count -> mini_count_strict: base 0.000, specialist 0.000 0.000 0.000" in report
