@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH
 from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
@@ -78,7 +79,7 @@ class Budget:
     # "few": base, the mini_sign specialist, weighted sum, MARBLE; "head_to_head": every
     # baseline and ablation and the cost runs; "objectives": base, weighted sum and MARBLE
     # under each objective.
-    rows: str = "few"
+    rows: Literal["few", "head_to_head", "objectives"] = "few"
 
 
 MODES = {
