@@ -184,12 +184,10 @@ def _trained(run_dir: Path, rewards: list[str]) -> list[str]:
 
 
 def rising_table(rows: list[dict[str, Any]], rewards: list[str]) -> list[str]:
-    lines = [
+    lines = _per_reward_header(
         "## Trained rewards on the training rollouts: first third of the epochs -> last third",
-        "",
-        "| method | " + " | ".join(rewards) + " |",
-        "|---|" + "---|" * len(rewards),
-    ]
+        rewards,
+    )
     for row in rows:
         cells = [
             f"{row['rewards'][n]['first']:.3f} -> {row['rewards'][n]['last']:.3f}"
@@ -229,13 +227,15 @@ def _control_rows(rows: list[dict[str, Any]], rewards: list[str]) -> list[dict[s
     return compared
 
 
+def _per_reward_header(title: str, rewards: list[str]) -> list[str]:
+    """A heading and the head of a table with one column per reward."""
+    return [title, "", "| method | " + " | ".join(rewards) + " |", "|---|" + "---|" * len(rewards)]
+
+
 def _control_table(rows: list[dict[str, Any]], rewards: list[str]) -> list[str]:
-    lines = [
-        "## Learning or drift? Each method minus the pure-noise control",
-        "",
-        "| method | " + " | ".join(rewards) + " |",
-        "|---|" + "---|" * len(rewards),
-    ]
+    lines = _per_reward_header(
+        "## Learning or drift? Each method minus the pure-noise control", rewards
+    )
     for row in rows:
         cells = []
         for reward in rewards:

@@ -43,6 +43,7 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -246,45 +247,14 @@ class MiniBindingStrict(MiniShapeReward):
         return float(strict_correct(objects, metadata))
 
 
-@register_reward
-class MiniOcr(Reward):
-    """Share of the sign word's letters the character-level reader reads right (training).
+class SignReward(Reward):
+    """A score read off the sign of each text prompt's image (NaN on other prompts)."""
 
-    Graded where Tesseract (``mini_ocr_strict``, the held-out metric) is all or nothing
-    and reads nothing a weak base model draws: a blurry sign whose first letter is right
-    already scores 1/3.
-    """
-
-    name = "mini_ocr"
     value_range = (0.0, 1.0)
 
-    def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
-        scores = nan_scores(len(prompts))
-        if metadata is None:
-            return scores
-        targets = [MiniOcrStrict.target(meta) for meta in metadata]
-        todo = [i for i, word in enumerate(targets) if word is not None]
-        if todo:
-            pixels = to_uint8_images(images[todo])
-            for i, image in zip(todo, pixels, strict=True):
-                word = targets[i]
-                read = read_sign_letters(image, word)
-                scores[i] = sum(a == b for a, b in zip(read, word.upper(), strict=True)) / len(word)
-        return scores
-
-
-@register_reward
-class MiniSign(Reward):
-    """How legibly the sign of a text prompt is drawn (``sign.sign_legibility``), in [0, 1].
-
-    The text axis's training reward. It does not read: at 64 px the base model's letters
-    on held-out words are at chance for the reader (``mini_ocr``), so no policy in the
-    CPU budget learns to spell a word it was not trained on, but a crisper sign with the
-    right amount of ink is learnable and carries over to unseen words.
-    """
-
-    name = "mini_sign"
-    value_range = (0.0, 1.0)
+    @abstractmethod
+    def score_sign(self, image: np.ndarray, word: str) -> float:
+        """Score of one [H, W, 3] uint8 image whose sign should show ``word``."""
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
         scores = nan_scores(len(prompts))
@@ -294,8 +264,39 @@ class MiniSign(Reward):
         todo = [i for i, word in enumerate(targets) if word is not None]
         if todo:
             for i, image in zip(todo, to_uint8_images(images[todo]), strict=True):
-                scores[i] = sign_legibility(image, targets[i])
+                scores[i] = self.score_sign(image, targets[i])
         return scores
+
+
+@register_reward
+class MiniOcr(SignReward):
+    """Share of the sign word's letters the character-level reader reads right.
+
+    Graded where Tesseract (``mini_ocr_strict``) is all or nothing and reads nothing a
+    weak base model draws: a blurry sign whose first letter is right already scores 1/3.
+    """
+
+    name = "mini_ocr"
+
+    def score_sign(self, image: np.ndarray, word: str) -> float:
+        read = read_sign_letters(image, word)
+        return sum(a == b for a, b in zip(read, word.upper(), strict=True)) / len(word)
+
+
+@register_reward
+class MiniSign(SignReward):
+    """How legibly the sign of a text prompt is drawn (``sign.sign_legibility``), in [0, 1].
+
+    The text axis's training reward. It does not read: at 64 px the base model's letters
+    on held-out words are at chance for the reader (``mini_ocr``), so no policy in the
+    CPU budget learns to spell a word it was not trained on, but a crisper sign with the
+    right amount of ink is learnable and carries over to unseen words.
+    """
+
+    name = "mini_sign"
+
+    def score_sign(self, image: np.ndarray, word: str) -> float:
+        return sign_legibility(image, word)
 
 
 @register_reward
