@@ -15,6 +15,7 @@ table and per-method sample grids.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -82,32 +83,21 @@ class Budget:
     rows: Literal["few", "head_to_head", "objectives"] = "few"
 
 
+FULL = Budget(
+    epochs=30, seeds=3, ablation_seeds=2, eval_prompts=None, eval_images=2, rows="head_to_head"
+)
 MODES = {
     "test": Budget(epochs=1, seeds=1, ablation_seeds=1, eval_prompts=6, eval_images=1),
     "quick": Budget(epochs=10, seeds=1, ablation_seeds=1, eval_prompts=24, eval_images=1),
-    "full": Budget(
-        epochs=30,
-        seeds=3,
-        ablation_seeds=2,
-        eval_prompts=None,
-        eval_images=2,
-        rows="head_to_head",
-    ),
+    "full": FULL,
     # Its own run (its own --out; the same --work reuses full's NFT rows): Flow-GRPO and
     # SDPO are not part of the head-to-head's budget.
-    "objectives": Budget(
-        epochs=30,
-        seeds=3,
-        ablation_seeds=2,
-        eval_prompts=None,
-        eval_images=2,
-        rows="objectives",
-    ),
+    "objectives": dataclasses.replace(FULL, rows="objectives"),
 }
 
 
 def methods(budget: Budget) -> list[Method]:
-    """Rows of the head-to-head; quick modes keep base, weighted sum and MARBLE."""
+    """Rows of the head-to-head; quick modes keep base, one specialist, weighted sum, MARBLE."""
     base = Method("base", "base model", trains=False)
     weighted = Method("weighted_sum", "weighted sum", ("strategy.name=weighted_sum",), probe=True)
     marble = Method("marble", "MARBLE (N=10, rho 0.7)", ("strategy.name=marble",), probe=True)
