@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -179,10 +180,12 @@ def scored_by(reward: str, prompts: list[MiniPrompt]) -> list[MiniPrompt]:
     return [p for p, s in zip(prompts, scores.tolist(), strict=True) if not math.isnan(s)]
 
 
-def sources_scored_by(reward: str) -> list[str]:
-    """The training prompt sources ``reward`` scores."""
+@functools.cache
+def sources_scored_by(reward: str) -> tuple[str, ...]:
+    """The training prompt sources ``reward`` scores (cached: ``methods`` asks on every call,
+    and each answer builds the reward)."""
     train, _ = split_prompts(seed=0)
-    return [source for source, prompts in train.items() if scored_by(reward, prompts)]
+    return tuple(source for source, prompts in train.items() if scored_by(reward, prompts))
 
 
 def own_prompts_override(reward: str) -> str:

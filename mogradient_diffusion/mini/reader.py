@@ -82,6 +82,15 @@ def _standardise(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(norm, 1e-6)
 
 
+def world_gray(image: np.ndarray) -> np.ndarray:
+    """[64, 64] float32 grayscale in [0, 255] of a [H, W, 3] uint8 image, box-resized to the
+    world's 64 px if it has another size: where the sign's layout is known."""
+    pil = Image.fromarray(np.asarray(image, dtype=np.uint8)).convert("L")
+    if pil.size != (SIZE, SIZE):
+        pil = pil.resize((SIZE, SIZE), Image.Resampling.BOX)
+    return np.asarray(pil, dtype=np.float32)
+
+
 def read_sign_letters(image: np.ndarray, word: str) -> str:
     """The capitals read in each letter cell of ``word``'s layout in a [H, W, 3] uint8 image.
 
@@ -89,10 +98,7 @@ def read_sign_letters(image: np.ndarray, word: str) -> str:
     contrast at all (a blank sign) reads as a space.
     """
     word = word.upper()
-    pil = Image.fromarray(np.asarray(image, dtype=np.uint8)).convert("L")
-    if pil.size != (SIZE, SIZE):
-        pil = pil.resize((SIZE, SIZE), Image.Resampling.BOX)
-    gray = np.asarray(pil, dtype=np.float32)
+    gray = world_gray(image)
     templates = _templates(word)
     width = templates.shape[-1]
     read = []

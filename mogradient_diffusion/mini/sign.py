@@ -20,9 +20,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from PIL import Image
 
-from .world import SIZE, Scene, render
+from .reader import world_gray
+from .world import Scene, render
 
 BAND = (slice(22, 43), slice(6, 58))  # rows, columns of the text at 64 px
 BOARD_STRIPS = ((slice(17, 21), slice(6, 58)), (slice(44, 47), slice(6, 58)))
@@ -30,11 +30,8 @@ DARK = 0.5  # a band pixel darker than this is ink
 
 
 def _gray(image: np.ndarray) -> np.ndarray:
-    """[64, 64] grayscale in [0, 1] of a [H, W, 3] uint8 image (resized if needed)."""
-    pil = Image.fromarray(np.asarray(image, dtype=np.uint8)).convert("L")
-    if pil.size != (SIZE, SIZE):
-        pil = pil.resize((SIZE, SIZE), Image.Resampling.BOX)
-    return np.asarray(pil, dtype=np.float64) / 255.0
+    """[64, 64] float64 grayscale in [0, 1] of a [H, W, 3] uint8 image."""
+    return world_gray(image).astype(np.float64) / 255.0
 
 
 @lru_cache(maxsize=64)
