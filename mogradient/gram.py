@@ -1,13 +1,17 @@
 """Gram matrices of per-objective gradient stacks that are always symmetric PSD.
 
 A float32 Gram of a large rank-deficient Jacobian computed in one matmul often has
-slightly negative eigenvalues, which makes QP-based harmonizers fail. We cut the columns
-into blocks, multiply all blocks in one batched matmul in the stack's own precision
-(short float32 sums, one parallel region, cache-sized operands), add the block products
-in float64, symmetrize, and clip the round-off sized negative eigenvalues. Measured on
-2 CPU cores, a 5 x 2e7 float32 stack takes ~22 ms this way against ~90 ms for one
-float32 ``J @ J.T``, with ~5x smaller error. The optimality gap of a QP solved on this
-Gram is second order in its error; ``upcast=True`` multiplies in float64 as well.
+slightly negative eigenvalues, which makes QP-based harmonizers fail. We sum short
+float32 products over cache-sized column blocks, add the block sums in float64,
+symmetrize, and clip the round-off sized negative eigenvalues. Float32 CPU stacks go
+through a compiled kernel (``native_gram``) that does this in one read of the stack;
+elsewhere, or without a C compiler, all blocks are multiplied in one batched matmul in
+the stack's own precision. Measured on a 2-core AMD EPYC, a 5 x 2e7 float32 stack takes
+~21 ms with the kernel, ~37 ms with the batched matmul and ~110 ms in one float32
+``J @ J.T`` (one read of the stack: ~14 ms); on Gaussian rows their largest errors,
+relative to the largest entry, are 5e-10, 1e-7 and 6e-3.
+The optimality gap of a QP solved on this Gram is second order in its error;
+``upcast=True`` multiplies in float64 as well.
 
 Gradient norms may differ by many orders of magnitude. Two things keep small gradients
 exact: rows whose squared norm over- or underflows the multiplication dtype are scaled
@@ -19,6 +23,8 @@ each row's own norm instead of the largest one.
 from __future__ import annotations
 
 import torch
+
+from mogradient.native_gram import float32_gram
 
 DEFAULT_BLOCK_COLUMNS = 1 << 14
 # Columns converted at a time when upcasting or widening half types (bounds the memory).
@@ -68,6 +74,10 @@ def _summed_products(
     row_scales: torch.Tensor | None,
 ) -> torch.Tensor:
     """Float64 sum of blocked products over column spans, rows optionally scaled first."""
+    if row_scales is None and compute_dtype == jacobian.dtype:
+        native = float32_gram(jacobian)
+        if native is not None:
+            return native
     size = jacobian.shape[0]
     gram = torch.zeros(size, size, dtype=torch.float64, device=jacobian.device)
     if row_scales is not None:
