@@ -69,6 +69,10 @@ class TrainConfig:
     batch_size: int = 9  # samples per process per micro-batch
     gradient_accumulation: int = 1
     timestep_fraction: float = 0.99
+    # Micro-batches hold whole prompt groups (groups in shuffled order) instead of rows
+    # shuffled across groups; with the NFT objective's shared_noise, a group's rows then
+    # share an optimizer step and their noise draws.
+    group_batches: bool = False
     learning_rate: float = 3e-4
     adam_betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 1e-4

@@ -265,10 +265,15 @@ class Trainer:
 
     # ------------------------------------------------------------ training
     def _train_on(self, data: EpochData) -> list[dict[str, Any]]:
-        """All optimizer steps of one epoch, on shuffled micro-batches of the rollout."""
+        """All optimizer steps of one epoch, on shuffled micro-batches of the rollout
+        (with ``train.group_batches``, cut from the prompt groups one after another)."""
         train = self.config.train
         generator = self._generator("train")
         order = torch.randperm(len(data.batch), generator=generator)
+        if train.group_batches:  # whole groups in shuffled order, each group's rows together
+            ids = data.batch.group_ids[order]
+            groups = torch.randperm(int(ids.max()) + 1, generator=generator)
+            order = torch.cat([order[ids == group] for group in groups])
         micro = [order[i : i + train.batch_size] for i in range(0, len(order), train.batch_size)]
         records = []
         for first in range(0, len(micro), train.gradient_accumulation):

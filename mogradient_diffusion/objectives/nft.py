@@ -47,6 +47,12 @@ class NFTSettings:
     adaptive_weight_floor: lower clip of the adaptive weight, so a perfect prediction
         does not divide by zero (official value 1e-5).
     advantage_std: "global" (the batch std, DiffusionNFT's default) or "group" (GRPO's).
+    shared_noise: rows of one prompt group in an optimizer step share their noise levels
+        and noise (common random numbers; the references draw them per row). Each row's
+        draws keep their distribution, so the expected gradient is unchanged, while the
+        parts of the rows' terms that the draw sets, alike across a group, cancel in the
+        zero-sum group advantages. Pays off when steps hold whole groups
+        (``train.group_batches``).
     """
 
     beta: float = 0.1
@@ -55,6 +61,7 @@ class NFTSettings:
     kl_coefficient: float = 1e-4
     adaptive_weight_floor: float = 1e-5
     advantage_std: str = "global"
+    shared_noise: bool = False
 
     def __post_init__(self) -> None:
         check_number("beta", self.beta)
@@ -72,6 +79,31 @@ class NFTSettings:
     def scale(self) -> float:
         """The official a_max / beta: the gradient size then does not shrink with beta."""
         return self.a_max / self.beta
+
+
+@dataclass(frozen=True)
+class GroupDraws:
+    """Noise levels and noise per prompt group, for ``shared_noise`` (common random numbers)."""
+
+    levels: dict[int, torch.Tensor]  # group -> [columns] distinct level indices
+    noise: dict[int, torch.Tensor]  # group -> [columns, *latent shape]
+
+    @classmethod
+    def draw(
+        cls, step: Sequence[TrainPiece], levels: int, columns: int, generator: torch.Generator
+    ) -> GroupDraws:
+        groups = torch.unique(torch.cat([piece.data.group_ids for piece in step])).tolist()
+        shape = step[0].data.latents.shape[1:]
+        return cls(
+            {g: torch.randperm(levels, generator=generator)[:columns] for g in groups},
+            {g: torch.randn(columns, *shape, generator=generator) for g in groups},
+        )
+
+    def levels_for(self, piece: TrainPiece) -> torch.Tensor:
+        return torch.stack([self.levels[g] for g in piece.data.group_ids.tolist()])
+
+    def noise_for(self, piece: TrainPiece, column: int) -> torch.Tensor:
+        return torch.stack([self.noise[g][column] for g in piece.data.group_ids.tolist()])
 
 
 @dataclass(frozen=True)
@@ -164,18 +196,30 @@ class NFTObjective(Stateless):
         """One piece per micro-batch x trained noise level; levels are averaged.
 
         The noise levels of every row are drawn first (distinct levels per row), then
-        one noise tensor per piece and level. The KL term is the step's mean: each
-        piece's share of it is its share of the step's rows.
+        one noise tensor per piece and level; with ``shared_noise`` each prompt group's
+        levels and noise are drawn first and copied to its rows. The KL term is the
+        step's mean: each piece's share of it is its share of the step's rows.
         """
         first = step[0].data
         sigmas = first.sigmas[:-1]  # the final 0 is not a training level
         columns = first.timesteps
-        orders = [
-            torch.stack(
-                [torch.randperm(len(sigmas), generator=generator)[:columns] for _ in range(len(p))]
-            )
-            for p in step
-        ]
+        shared = (
+            GroupDraws.draw(step, len(sigmas), columns, generator)
+            if self.settings.shared_noise
+            else None
+        )
+        if shared is None:
+            orders = [
+                torch.stack(
+                    [
+                        torch.randperm(len(sigmas), generator=generator)[:columns]
+                        for _ in range(len(p))
+                    ]
+                )
+                for p in step
+            ]
+        else:
+            orders = [shared.levels_for(piece) for piece in step]
         valid_counts = applicable_counts(step)
         total_rows = sum(len(piece) for piece in step)
         for piece, order in zip(step, orders, strict=True):
@@ -183,7 +227,10 @@ class NFTObjective(Stateless):
             share = len(piece) / total_rows
             for column in range(columns):
                 sigma = sigmas[order[:, column]].to(latents)
-                noise = torch.randn(latents.shape, generator=generator).to(latents)
+                if shared is None:
+                    noise = torch.randn(latents.shape, generator=generator).to(latents)
+                else:
+                    noise = shared.noise_for(piece, column).to(latents)
                 shaped = sigma.view(-1, *([1] * (latents.ndim - 1)))
                 noisy = (1 - shaped) * latents + shaped * noise
                 loss = self._loss(policy, piece, noisy, sigma, valid_counts, metrics)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 import pytest
@@ -61,15 +62,17 @@ class LinearPolicy:
 
     def __init__(self, trained: float, old: float) -> None:
         self.scale = {
-            "default": torch.nn.Parameter(torch.tensor(trained)),
+            "default": torch.nn.Parameter(torch.tensor(trained, dtype=torch.float64)),
             "old": torch.tensor(old),
             "reference": torch.tensor(0.0),
         }
         self.inputs: list[torch.Tensor] = []
+        self.sigmas: list[torch.Tensor] = []
 
     def velocity(self, x, sigma, embeds, adapter="default"):
         if adapter == "default":
             self.inputs.append(x)
+            self.sigmas.append(sigma)
         context = nullcontext() if adapter == "default" else torch.no_grad()
         with context:
             return self.scale[adapter] * x
@@ -104,6 +107,64 @@ def test_nft_logs_the_velocity_gap_to_the_old_policy(trained: float, old: float)
         assert gap == 0.0
     else:
         assert gap == pytest.approx(float(expected), rel=1e-6)
+
+
+def _noise_draws(policy: LinearPolicy, step: list[TrainPiece]) -> dict[int, list[tuple]]:
+    """Per rollout row: the (sigma, noise) of each trained level, recovered from the inputs."""
+    calls = iter(zip(policy.inputs, policy.sigmas, strict=True))
+    draws: dict[int, list[tuple]] = {}
+    for piece, rows in step:
+        for _ in range(piece.data.timesteps):
+            x, sigma = next(calls)
+            shaped = sigma.view(-1, 1, 1, 1)
+            noise = (x - (1 - shaped) * piece.data.latents) / shaped
+            for i, row in enumerate(rows):
+                draws.setdefault(row, []).append((float(sigma[i]), noise[i]))
+    return draws
+
+
+def test_shared_noise_gives_every_row_of_a_group_its_groups_draws() -> None:
+    batch = _rollout()  # groups: rows 0-2 and 3-5
+    split = ([0, 3, 4], [1, 5, 2])  # each group spread over both micro-batches
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [0.2], [-0.4], [0.2]])
+    step = [TrainPiece(batch.rows(torch.tensor(r)), advantages[r]) for r in split]
+    policy = LinearPolicy(0.3, 0.3)
+    objective = NFTObjective(NFTSettings(shared_noise=True))
+    list(objective.losses(policy, step, torch.Generator().manual_seed(1), StepMetrics()))
+    draws = _noise_draws(policy, list(zip(step, split, strict=True)))
+    for group in ([0, 1, 2], [3, 4, 5]):
+        first = draws[group[0]]
+        assert len({sigma for sigma, _ in first}) == len(first)  # distinct levels per row
+        for row in group[1:]:
+            for (sigma, noise), (first_sigma, first_noise) in zip(draws[row], first, strict=True):
+                assert sigma == first_sigma and torch.allclose(noise, first_noise, atol=1e-5)
+    assert not torch.allclose(draws[0][0][1], draws[3][0][1], atol=1e-2)
+
+
+def _gradient(settings: NFTSettings, batch: NFTRollout, advantages: torch.Tensor) -> float:
+    policy = LinearPolicy(0.5, 0.3)  # trained != old: the loss has an advantage-free part
+    step = [TrainPiece(batch, advantages)]
+    generator = torch.Generator().manual_seed(2)
+    pieces = NFTObjective(settings).losses(policy, step, generator, StepMetrics())
+    total = sum(scale * loss.combined([1.0]) for scale, loss in pieces)
+    return float(torch.autograd.grad(total, policy.scale["default"])[0])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_shared_noise_cancels_what_a_group_has_in_common(shared: bool) -> None:
+    """Groups of identical samples under zero-sum advantages carry no signal. With shared
+    draws the advantage terms of a group's rows cancel exactly, so the gradient is that of
+    zero advantages; with draws per row they cancel only in expectation."""
+    batch = _rollout()
+    batch = dataclasses.replace(batch, latents=batch.latents[[0, 0, 0, 3, 3, 3]].double())
+    advantages = torch.tensor([[1.0], [-1.0], [0.0], [0.5], [0.0], [-0.5]], dtype=torch.float64)
+    settings = NFTSettings(shared_noise=shared, kl_coefficient=0.0)
+    with_advantages = _gradient(settings, batch, advantages)
+    without = _gradient(settings, batch, torch.zeros_like(advantages))
+    if shared:  # float64: equal up to the rounding of a few dozen terms
+        assert with_advantages == pytest.approx(without, rel=1e-12)
+    else:
+        assert abs(with_advantages - without) > 1e-3 * abs(without)
 
 
 def test_rollout_rows_select_samples_and_keep_the_schedule() -> None:

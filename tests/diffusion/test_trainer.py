@@ -21,7 +21,7 @@ from mogradient_diffusion.config import load_config
 from mogradient_diffusion.distributed import World
 from mogradient_diffusion.objectives import RolloutRequest, StepMetrics, TrainPiece
 from mogradient_diffusion.runlog import read_metrics
-from mogradient_diffusion.trainer import Trainer
+from mogradient_diffusion.trainer import EpochData, Trainer
 
 FAST = ["run.quiet=true", "train.epochs=2"]
 
@@ -399,3 +399,30 @@ def test_reward_dropout_is_reproducible(tmp_path: Path) -> None:
     assert [s["weights"] for r in first for s in r["optimizer_steps"]] == [
         s["weights"] for r in second for s in r["optimizer_steps"]
     ]
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_group_batches_cut_steps_from_whole_groups(tmp_path: Path, grouped: bool) -> None:
+    """With train.group_batches each micro-batch of one group's size holds one group."""
+    trainer, batch = _trainer_and_rollout(tmp_path)
+    trainer.config.train.group_batches = grouped
+    trainer.config.train.batch_size = 4  # the tiny preset's images per prompt
+    seen: list[list[int]] = []
+    rows: list[float] = []
+
+    def record(step: list[TrainPiece], generator: torch.Generator, probe=None) -> dict:
+        seen.append(step[0].data.group_ids.tolist())
+        rows.extend(step[0].advantages[:, 0].tolist())  # distinct values name the rows
+        return {"time/backward": 0.0, "time/harmonize": 0.0, "time/optimizer": 0.0}
+
+    trainer.optimizer_step_on = record
+    advantages = torch.randn(len(batch), 2, generator=torch.Generator().manual_seed(0))
+    mixed = []
+    for epoch in range(4):  # several shuffles
+        trainer.epoch = epoch
+        seen.clear()
+        rows.clear()
+        trainer._train_on(EpochData(batch, advantages))
+        assert sorted(rows) == sorted(advantages[:, 0].tolist())  # every row once
+        mixed.append(any(len(set(ids)) > 1 for ids in seen))
+    assert not any(mixed) if grouped else any(mixed)
