@@ -1,8 +1,9 @@
 /* Gram matrix of a float32 gradient stack in one read of the stack.
  *
- * Why not a BLAS call: for K x D stacks with K of a few and D in the millions, a GEMM
- * spends most of its time packing and on a 5 x 5 output, and on some CPUs (MKL on AMD)
- * runs a generic code path; this loop is bound by memory bandwidth instead.
+ * Why not a BLAS call: for K x D stacks with K of a few and D in the millions, the GEMM
+ * has a K x K output and nothing to reuse; measured on a 2-core AMD EPYC, MKL's batched
+ * 5 x 16384 by 16384 x 5 products reach ~12 GFMA/s per core, 2.5x the time of one read of
+ * the stack, where this loop takes ~1.4x (it is bound by memory bandwidth).
  *
  * Columns [begin, end) are cut into chunks small enough for the K rows to stay in L1.
  * Within a chunk every pair (i <= j) is summed in float32 over 32 interleaved lanes
