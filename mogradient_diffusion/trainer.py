@@ -307,8 +307,7 @@ class Trainer:
             # No objective has an applicable sample with signal: stepping would only let
             # Adam's momentum replay earlier gradients (and the KL pull alone).
             self.optimizer_step += 1
-            idle = dict.fromkeys(("time/backward", "time/harmonize", "time/optimizer"), 0.0)
-            return idle | {"skipped": "no reward signal", "solved": 0, "weights": [0.0] * count}
+            return skipped_step_record("no reward signal", count)
         replay = generator.get_state() if probe is not None else None
         metrics = StepMetrics()
         losses = self.objective.losses(self.policy, step, generator, metrics)
@@ -611,6 +610,12 @@ def build_rewards(config: TrainingConfig) -> RewardSet:
         except Exception as error:
             raise ConfigError(f"reward {reward.name!r} could not be built: {error}") from error
     return RewardSet(rewards)
+
+
+def skipped_step_record(reason: str, count: int) -> dict[str, Any]:
+    """The record of an optimizer step that applied nothing (``count`` objectives)."""
+    idle = dict.fromkeys(("time/backward", "time/harmonize", "time/optimizer"), 0.0)
+    return idle | {"skipped": reason, "solved": 0, "weights": [0.0] * count}
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

@@ -34,14 +34,10 @@ import torch
 from mogradient.gradients import accumulate_gradients
 from mogradient_diffusion.config import load_config
 from mogradient_diffusion.distributed import World
-from mogradient_diffusion.mini.benchmark import (
-    BASE_MODEL,
-    CONFIG,
-    own_prompts_override,
-    write_prompt_files,
-)
+from mogradient_diffusion.mini.benchmark import BASE_MODEL, CONFIG, write_prompt_files
+from mogradient_diffusion.mini.learnability import specialist_overrides
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
-from mogradient_diffusion.trainer import Trainer
+from mogradient_diffusion.trainer import Trainer, skipped_step_record
 
 # Named ways to cut and draw a step (config overrides on top of the recipe).
 VARIANTS = {
@@ -79,8 +75,7 @@ def collect(trainer: Trainer, epochs: int) -> GradientPairs:
             pairs.epochs.append(trainer.epoch)
             pairs.first.append(draws[0])
             pairs.second.append(draws[1])
-        idle = dict.fromkeys(("time/backward", "time/harmonize", "time/optimizer"), 0.0)
-        return idle | {"skipped": "measured", "solved": 0, "weights": [0.0] * count}
+        return skipped_step_record("measured", count)
 
     trainer.optimizer_step_on = measure
     for epoch in range(epochs):
@@ -124,12 +119,6 @@ def measure_reward(
     """The statistics of ``reward``'s specialist recipe (``noise`` = ``mini_noise`` like
     binding: the control, whose mu2 must be 0 within its error) under ``variant``."""
     like = "mini_binding" if reward == "noise" else reward
-    rewards = (
-        f"rewards=[{{name: mini_noise, options: {{like: {like}}}}}]"
-        if reward == "noise"
-        else f"rewards=[{{name: {reward}}}]"
-    )
-    target = "mini_noise" if reward == "noise" else reward
     with tempfile.TemporaryDirectory() as work:
         overrides = [
             f"model.path={model}",
@@ -137,10 +126,7 @@ def measure_reward(
             f"run.directory={Path(work) / 'run'}",
             f"run.seed={seed}",
             "run.quiet=true",
-            rewards,
-            "strategy.name=single",
-            f"strategy.reward={target}",
-            own_prompts_override(like),
+            *specialist_overrides(like, control=reward == "noise"),
             *VARIANTS[variant],
         ]
         config = load_config(CONFIG, overrides)

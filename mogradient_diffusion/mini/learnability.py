@@ -48,6 +48,7 @@ from mogradient_diffusion.mini.benchmark import (
     BASE_MODEL,
     CONFIG,
     EVAL_STEPS,
+    NOISE,
     TRAIN_REWARDS,
     own_prompts_override,
     scored_by,
@@ -180,6 +181,21 @@ def applicable_held_out(reward: str) -> list[MiniPrompt]:
     return scored_by(reward, [p for source in held_out.values() for p in source])
 
 
+def specialist_overrides(reward: str, control: bool = False) -> list[str]:
+    """Train ``reward``'s specialist on the prompts it scores or, with ``control``, its
+    pure-noise control (``mini_noise`` where ``reward`` applies) on the same prompts."""
+    trained = NOISE if control else reward
+    rewards = (
+        f"{{name: {NOISE}, options: {{like: {reward}}}}}" if control else f"{{name: {reward}}}"
+    )
+    return [
+        f"rewards=[{rewards}]",
+        "strategy.name=single",
+        f"strategy.reward={trained}",
+        own_prompts_override(reward),
+    ]
+
+
 def specialist_check(
     reward: str,
     work: Path,
@@ -206,11 +222,7 @@ def specialist_check(
     )
     metrics = [reward, *HELD_OUT_OF.get(reward, ())]
     cli = [sys.executable, "-m", "mogradient_diffusion.cli"]
-    runs = {
-        "specialist": f"rewards=[{{name: {reward}}}]",
-        "control": f"rewards=[{{name: mini_noise, options: {{like: {reward}}}}}]",
-    }
-    runs_target = {"specialist": reward, "control": "mini_noise"}
+    runs = {"specialist": reward, "control": NOISE}  # each run's trained reward
     result: dict[str, Any] = {"reward": reward, "held_out_prompts": len(held_out), "seconds": {}}
     rows: dict[str, np.ndarray] = {}
 
@@ -220,20 +232,18 @@ def specialist_check(
         if (run_dir / "eval" / "summary.json").is_file():  # finished earlier: reuse
             rows[label] = _per_prompt_scores(run_dir / "eval", metrics)
             if label in runs:
-                result[f"{label}_curve"] = _curve(run_dir / "run", runs_target[label])
+                result[f"{label}_curve"] = _curve(run_dir / "run", runs[label])
             return
         if label in runs and not (run_dir / "run" / "lora").is_dir():  # else: trained earlier
-            target = runs_target[label]
             command = [
                 *cli, "train", "--config", str(CONFIG), f"model.path={model}",
                 f"prompts.directory={prompts_dir}", f"run.directory={run_dir / 'run'}",
-                f"run.seed={seed}", f"train.epochs={epochs}", runs[label],
-                "strategy.name=single", f"strategy.reward={target}",
-                own_prompts_override(reward), *overrides,
+                f"run.seed={seed}", f"train.epochs={epochs}",
+                *specialist_overrides(reward, control=label == "control"), *overrides,
             ]  # fmt: skip
             result["seconds"][f"train_{label}"] = round(_run(command, run_dir / "train.log"), 1)
         if label in runs:
-            result[f"{label}_curve"] = _curve(run_dir / "run", runs_target[label])
+            result[f"{label}_curve"] = _curve(run_dir / "run", runs[label])
         command = [
             *cli, "eval", "--model", str(model), "--prompts", str(eval_file),
             "--metrics", ",".join(metrics), "--reward-module", "mogradient_diffusion.mini",
