@@ -60,6 +60,9 @@ from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
 HELD_OUT_OF = {  # the held-out metrics each training reward stands in for
     "mini_count": ("mini_count_strict",),
     "mini_binding": ("mini_binding_strict",),
+    "mini_amount": ("mini_count", "mini_count_strict"),
+    "mini_layout": ("mini_binding", "mini_binding_strict"),
+    "mini_style": ("mini_alignment",),
     "mini_sign": ("mini_ocr", "mini_ocr_strict"),  # legibility stands in for reading
     "mini_ocr": ("mini_ocr_strict",),
     "ocr": ("mini_ocr_strict",),
