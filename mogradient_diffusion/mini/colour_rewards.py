@@ -8,17 +8,19 @@ masses instead of detections, so every image scores on a continuous scale and a
 slightly better colour or position already scores higher:
 
 * ``mini_amount`` (``counting``, ``general``): per include entry, how close the soft
-  area of its colour is to ``count`` objects' worth (``min(r, 1 / r)`` of the two), mean
-  over entries. Counting as amount: two shapes and one shape of twice the area tie.
+  area of its colour is to ``count`` objects' worth: 1 within the areas the world draws,
+  else ``min(r, 1 / r)`` to the nearer end; mean over entries. Counting as amount: two
+  shapes and one shape of twice the area tie.
 * ``mini_layout`` (``color_attr``, ``position``, ``general``): per include entry, the
   same amount term for one object; per position entry, a logistic of how far the colour
   masses' centroids stand apart along the relation's axis.
 * ``mini_style`` (``general``): how close the backdrop's colour is to the prompt's style.
 
 The soft weight of a pixel for a palette colour is ``exp(-d^2 / (2 sigma^2))`` of their
-RGB distance; the reference area of one object is the same sum on the world's clean
-renders, so a clean render scores about 1. The strict and detector-based rewards stay as
-the held-out metrics these stand in for.
+RGB distance, times one minus the same for the backdrop's colour; the reference areas
+of an object are the same sum on the world's clean renders, so a clean render scores
+about 1. The strict and detector-based rewards stay as the held-out metrics these
+stand in for.
 """
 
 from __future__ import annotations
@@ -43,38 +45,45 @@ RELATION_SCALE = 4.0  # pixels of centroid offset that move the relation term by
 
 
 def colour_weights(images: np.ndarray, colour: str, sigma: float = SIGMA) -> np.ndarray:
-    """Soft membership in (0, 1] of every pixel of [..., H, W, 3] images in ``colour``."""
+    """Soft membership in [0, 1] of every pixel of [..., H, W, 3] images in ``colour``,
+    times how far it stands from the backdrop (``vision.background_colour``): a large
+    backdrop a little like the colour would otherwise add up to an object's area."""
+    pixels = np.asarray(images, dtype=np.float32)
+    backdrop = background_colour(pixels)[..., None, None, :]
     target = np.asarray(COLOURS[colour], dtype=np.float32)
-    distance2 = ((np.asarray(images, dtype=np.float32) - target) ** 2).sum(axis=-1)
-    return np.exp(-distance2 / (2 * sigma**2))
+    like_colour = np.exp(-((pixels - target) ** 2).sum(axis=-1) / (2 * sigma**2))
+    like_backdrop = np.exp(-((pixels - backdrop) ** 2).sum(axis=-1) / (2 * sigma**2))
+    return like_colour * (1.0 - like_backdrop)
 
 
 @lru_cache(maxsize=64)
-def reference_area(shape: str, count: int, sigma: float = SIGMA, scenes: int = 32) -> float:
-    """Soft area of one object in clean renders of ``count`` of ``shape`` (the world draws
-    smaller shapes when it draws more), averaged over ``scenes`` placements."""
+def reference_area(shape: str, count: int, sigma: float = SIGMA) -> tuple[float, float]:
+    """Smallest and largest soft area per object in clean renders of ``count`` of
+    ``shape`` (the world draws them in a range of sizes, smaller when it draws more),
+    over 64 seeded placements."""
     rng = random.Random(0)
     entry = {"class": shape, "count": count, "color": "red"}
     prompt = MiniPrompt("", "counting", {"tag": "counting", "include": [entry]})
     areas = [
-        colour_weights(np.asarray(render(sample_scene(prompt, rng))), "red", sigma).sum()
-        for _ in range(scenes)
+        colour_weights(np.asarray(render(sample_scene(prompt, rng))), "red", sigma).sum() / count
+        for _ in range(64)
     ]
-    return float(np.mean(areas)) / count
+    return float(min(areas)), float(max(areas))
 
 
-def amount_match(area: float, wanted: float) -> float:
-    """``min(r, 1 / r)`` of ``r = area / wanted``: 1 at the wanted area, 0 with none."""
+def amount_match(area: float, low: float, high: float) -> float:
+    """1 for an area in ``[low, high]``, else ``min(r, 1 / r)`` of its ratio to the
+    nearer end: 0 with no area, 1/2 at half the smallest or twice the largest."""
     if area <= 0:
         return 0.0
-    ratio = area / wanted
-    return min(ratio, 1.0 / ratio)
+    return min(1.0, area / low, high / area)
 
 
 def entry_amount(weights: np.ndarray, entry: Mapping[str, Any], sigma: float) -> float:
     """How close the soft area of an include entry's colour is to its count's worth."""
     count = int(entry.get("count", 1))
-    return amount_match(float(weights.sum()), count * reference_area(entry["class"], count, sigma))
+    low, high = reference_area(entry["class"], count, sigma)
+    return amount_match(float(weights.sum()), count * low, count * high)
 
 
 def relation_term(a: np.ndarray, b: np.ndarray, relation: str) -> float:
