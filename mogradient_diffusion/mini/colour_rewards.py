@@ -26,6 +26,7 @@ stand in for.
 from __future__ import annotations
 
 import random
+from abc import abstractmethod
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, ClassVar
@@ -117,9 +118,9 @@ class MiniColourReward(Reward):
             raise ValueError(f"{self.name}: sigma must be positive, got {sigma}")
         self.sigma = float(sigma)
 
+    @abstractmethod
     def score_image(self, image: np.ndarray, metadata: Mapping[str, Any]) -> float:
         """The score of one applicable [H, W, 3] uint8 image."""
-        raise NotImplementedError
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
         scores = nan_scores(len(prompts))
