@@ -389,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         from mogradient_diffusion.mini.report import write_report
 
+        args.out.mkdir(parents=True, exist_ok=True)
         write_report(collect_results(args.mode, work), args.out, args.mode, math.nan, args.workers)
         print(f"report rebuilt from {work}: {args.out / 'table.md'}")
         return 0

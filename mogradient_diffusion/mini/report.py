@@ -471,9 +471,16 @@ def _plots(results: list[RunResult], out: Path) -> None:
             curves[result.method.label][name].append(
                 [_number(r.get(f"reward/{name}/mean")) for r in records]
             )
+    # rows that trained on none of these rewards (the noise control) have no curve: left
+    # out, so they take no colour of the cycle
+    plotted = {
+        label: per_reward
+        for label, per_reward in curves.items()
+        if any(np.isfinite(np.array(runs, dtype=float)).any() for runs in per_reward.values())
+    }
     figure, axes = plt.subplots(1, len(TRAIN_REWARDS), figsize=(4 * len(TRAIN_REWARDS), 3.5))
     for axis, name in zip(axes, TRAIN_REWARDS, strict=True):
-        for label, per_reward in curves.items():
+        for label, per_reward in plotted.items():
             runs = np.array(per_reward[name], dtype=float)
             counts = np.isfinite(runs).sum(axis=0)
             series = np.where(counts > 0, np.nansum(runs, axis=0) / np.maximum(counts, 1), np.nan)

@@ -248,6 +248,11 @@ def test_minimal_head_to_head_writes_tables_plots_and_grids(tmp_path):
     for name in ("table.md", "conflict.md", "curves.png", "weights.png"):
         assert (out / name).stat().st_size > 0
     assert {p.name for p in (out / "grids").iterdir()} == {f"{key}.png" for key in keys}
+    rebuilt = tmp_path / "rebuilt"  # --report-only into a folder that does not exist yet
+    argv = ["--mode", "test", "--out", str(rebuilt), "--work", str(out / "work"), "--report-only"]
+    assert main(argv) == 0
+    tables = [(d / "table.md").read_text().split("\n")[4:] for d in (out, rebuilt)]
+    assert tables[0] == tables[1]  # all but the title and the run's wall time
 
 
 def test_resumed_head_to_head_redoes_no_finished_work(tmp_path, monkeypatch):
