@@ -42,7 +42,7 @@ from .vision import background_colour
 from .world import COLOURS, STYLES, MiniPrompt, render, sample_scene
 
 SIGMA = 48.0  # RGB distance at which a pixel counts e^-1/2 of a palette colour
-RELATION_SCALE = 4.0  # pixels of centroid offset that move the relation term by ~e
+RELATION_SCALE = 4.0  # logistic scale, px: an offset of 4 px the right way scores 0.73
 
 
 def colour_weights(images: np.ndarray, colour: str, sigma: float = SIGMA) -> np.ndarray:
