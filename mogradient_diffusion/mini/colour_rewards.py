@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mogradient_diffusion.rewards.base import Metadata, Reward, nan_scores, to_uint8_images
+from mogradient_diffusion.rewards.base import Metadata, Reward, nan_scores, score_each_image
 from mogradient_diffusion.rewards.registry import register_reward
 
 from .vision import background_colour
@@ -123,18 +123,16 @@ class MiniColourReward(Reward):
         """The score of one applicable [H, W, 3] uint8 image."""
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
-        scores = nan_scores(len(prompts))
         if metadata is None:
-            return scores
+            return nan_scores(len(prompts))
         todo = [
             i
             for i, meta in enumerate(metadata)
             if isinstance(meta, Mapping) and meta.get("tag") in self.tags
         ]
-        if todo:
-            for i, image in zip(todo, to_uint8_images(images[todo]), strict=True):
-                scores[i] = self.score_image(image, metadata[i])
-        return scores
+        return score_each_image(
+            images, len(prompts), todo, lambda i, image: self.score_image(image, metadata[i])
+        )
 
 
 @register_reward

@@ -47,7 +47,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mogradient_diffusion.rewards.base import Metadata, Reward, nan_scores, to_uint8_images
+from mogradient_diffusion.rewards.base import (
+    Metadata,
+    Reward,
+    nan_scores,
+    score_each_image,
+    to_uint8_images,
+)
 from mogradient_diffusion.rewards.geneval_rules import (
     THRESHOLD,
     Detection,
@@ -257,15 +263,13 @@ class SignReward(Reward):
         """Score of one [H, W, 3] uint8 image whose sign should show ``word``."""
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
-        scores = nan_scores(len(prompts))
         if metadata is None:
-            return scores
+            return nan_scores(len(prompts))
         targets = [MiniOcrStrict.target(meta) for meta in metadata]
         todo = [i for i, word in enumerate(targets) if word is not None]
-        if todo:
-            for i, image in zip(todo, to_uint8_images(images[todo]), strict=True):
-                scores[i] = self.score_sign(image, targets[i])
-        return scores
+        return score_each_image(
+            images, len(prompts), todo, lambda i, image: self.score_sign(image, targets[i])
+        )
 
 
 @register_reward

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -129,3 +129,18 @@ def to_uint8_images(images: Tensor) -> np.ndarray:
 def nan_scores(batch: int) -> Tensor:
     """A float32 tensor of NaN: the score of samples a reward does not apply to."""
     return torch.full((batch,), math.nan, dtype=torch.float32)
+
+
+def score_each_image(
+    images: Tensor,
+    batch: int,
+    todo: Sequence[int],
+    score_one: Callable[[int, np.ndarray], float],
+) -> Tensor:
+    """Scores of ``batch`` samples: NaN but at the indices ``todo``, where sample ``i``
+    scores ``score_one(i, image)`` on its [H, W, 3] uint8 image (converted all at once)."""
+    scores = nan_scores(batch)
+    if todo:
+        for i, image in zip(todo, to_uint8_images(images[list(todo)]), strict=True):
+            scores[i] = score_one(i, image)
+    return scores

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Metadata, Reward, nan_scores, to_uint8_images
+from .base import Metadata, Reward, score_each_image
 from .registry import register_reward
 
 COLORS = (
@@ -101,13 +101,11 @@ class ColorMatch(Reward):
         self.min_share = min_share
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
-        scores = nan_scores(len(prompts))
         wanted = [colors_in_prompt(p) for p in prompts]
         todo = [i for i, names in enumerate(wanted) if names]
-        if not todo:
-            return scores
-        for i, image in zip(todo, to_uint8_images(images[todo]), strict=True):
+
+        def score_one(i: int, image: np.ndarray) -> float:
             shares = color_shares(image)
-            present = [shares[_INDEX[name]] >= self.min_share for name in wanted[i]]
-            scores[i] = float(np.mean(present))
-        return scores
+            return float(np.mean([shares[_INDEX[name]] >= self.min_share for name in wanted[i]]))
+
+        return score_each_image(images, len(prompts), todo, score_one)

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from .base import Metadata, Reward, nan_scores, to_uint8_images
+from .base import Metadata, Reward, score_each_image
 from .registry import register_reward
 
 _NUMBER_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
@@ -96,12 +96,11 @@ class CountMatch(Reward):
         self.min_area = min_area
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
-        scores = nan_scores(len(prompts))
         asked = [count_in_prompt(p) for p in prompts]
         todo = [i for i, n in enumerate(asked) if n is not None]
-        if not todo:
-            return scores
-        for i, image in zip(todo, to_uint8_images(images[todo]), strict=True):
+
+        def score_one(i: int, image: np.ndarray) -> float:
             found = count_objects(image, self.tolerance, self.min_area)
-            scores[i] = max(0.0, 1.0 - abs(found - asked[i]) / asked[i])
-        return scores
+            return max(0.0, 1.0 - abs(found - asked[i]) / asked[i])
+
+        return score_each_image(images, len(prompts), todo, score_one)
