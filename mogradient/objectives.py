@@ -12,6 +12,10 @@ combination sum_k w_k L_k has coefficients sum_k w_k C[k] and therefore one back
 pass gives exactly sum_k w_k grad L_k, for any real weights, with masks and clamps
 already folded into C. Terms outside the harmonization (a KL penalty) go in ``extra``.
 Terms must be finite: a NaN term poisons every combination, even with zero weight.
+
+A loss may also say where it meets the network row by row (:class:`RowValues`): then
+:mod:`mogradient.row_gradients` gets all K gradients from one backward per row value
+instead of one per objective.
 """
 
 from __future__ import annotations
@@ -22,12 +26,44 @@ import torch
 
 
 @dataclass(frozen=True)
+class RowValues:
+    """Where a loss meets the network: values computed row by row of the forward batch.
+
+    ``values`` is (V, R) (or (R,) for V = 1): entry [v, r] may depend on the trainable
+    parameters only through row r of the forward batch, and the loss only through
+    ``values``. The R rows are the batch of every trainable module call, stacked
+    ``copies`` times along it (``torch.cat([x, x])`` for classifier-free guidance gives
+    copies = 2; row i of a call is row i mod R). Rows must not interact in the forward
+    (no BatchNorm in training mode). The terms themselves qualify when term column b is
+    row b (DiffusionNFT); a per-row scalar serves every term of its row (Flow-GRPO's
+    log-probability), so one backward pass gives all K gradients.
+    """
+
+    values: torch.Tensor
+    copies: int = 1
+
+    def __post_init__(self) -> None:
+        if self.values.ndim not in (1, 2):
+            raise ValueError(
+                f"row values must have shape (V, R) or (R,), got {tuple(self.values.shape)}"
+            )
+        if isinstance(self.copies, bool) or not isinstance(self.copies, int) or self.copies < 1:
+            raise ValueError(f"copies must be a positive integer, got {self.copies!r}")
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """The values as (V, R)."""
+        return self.values if self.values.ndim == 2 else self.values.unsqueeze(0)
+
+
+@dataclass(frozen=True)
 class CombinableLoss:
     """K losses given as constant coefficients on shared differentiable per-sample terms."""
 
     terms: torch.Tensor
     coefficients: torch.Tensor
     extra: torch.Tensor | None = None
+    rows: RowValues | None = None
 
     def __post_init__(self) -> None:
         if self.terms.ndim != 2:
@@ -48,6 +84,16 @@ class CombinableLoss:
                 "coefficients contain NaN or Inf; mask not-applicable samples with a zero "
                 "coefficient (see masked_mean_coefficients) instead of NaN"
             )
+
+    @classmethod
+    def instance_wise(cls, losses: torch.Tensor) -> CombinableLoss:
+        """B per-sample losses as B objectives, sample b's loss being row b's value
+        (instance-wise risk minimization: the Gram of per-sample gradients)."""
+        if losses.ndim != 1:
+            raise ValueError(f"losses must have shape (B,), got {tuple(losses.shape)}")
+        terms = losses.unsqueeze(0)
+        eye = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
+        return cls(terms, eye.unsqueeze(1), rows=RowValues(terms))
 
     @property
     def num_objectives(self) -> int:

@@ -1,0 +1,428 @@
+"""K objective gradients for one backward pass per row value, from per-row gradients.
+
+A :class:`~mogradient.objectives.CombinableLoss` that declares its
+:class:`~mogradient.objectives.RowValues` s (V x R, each entry depending on the network
+through one forward row) has grad L_k = sum_{v,r} c[k,v,r] grad s[v,r] with
+c = dL_k / ds. At a trainable ``nn.Linear`` (y = x W^T + b) the gradient of
+sum_r s[v,r] splits by rows as delta_r^T x_r, which the ordinary backward already holds
+at the module. So V backward passes, with the rows kept apart at the trainable
+modules, give the K x D stack by a small contraction, exactly: DiffusionNFT needs 2
+passes (its two branch errors) and Flow-GRPO or SDPO 1 (a log-probability per row),
+instead of one per objective. The Gram of the objectives follows as c M c^T, with M the
+Gram of the per-row gradients, without the stack when V = 1.
+
+Why hooks of our own. Three well-kept options were measured against this (float64 tiny
+SD3 transformer with peft LoRA; see benchmarks/results/row_gradients_options.md):
+Opacus' ``GradSampleModule`` materializes a B x D per-sample gradient per backward,
+wraps the model and does not support gradient checkpointing or a module called twice
+per forward with a row layout; ``torch.func`` (``functional_call`` + ``vmap(grad)``)
+re-runs the forward per row under vmap, which the diffusers transformer and peft's
+adapter switching do not survive; TorchJD's ``autogram.Engine`` computes only the Gram
+of per-instance losses (one extra backward and a re-forward of each hooked module) and
+not the stack the update needs. None contracts per-row gradients with per-objective
+coefficients as they are computed. What is captured here is the input and output of
+each call of a trainable Linear while a forward is recorded: the passes then ask
+autograd for the gradients at those outputs only (no parameter gradients are formed),
+so recomputed forwards under gradient checkpointing are never captured twice.
+
+Exactness is the caller's claim that rows do not interact and that every trainable
+parameter is reached only through the hooked calls; :func:`RowGradients.accumulate`
+with ``verify=True`` checks it against the K-backward engine (the trainer does so once
+per run). Parameters of any other module type make :meth:`RowGradients.supported`
+false, so callers fall back to :func:`mogradient.gradients.combinable_gradients`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mogradient.errors import UnusedParameterError
+from mogradient.gradients import combinable_gradients
+from mogradient.objectives import CombinableLoss
+
+
+class RowGradientError(RuntimeError):
+    """The per-row engine cannot give exact gradients for this forward or loss."""
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Where a Linear's weight and bias sit in the flat parameter vector (None: frozen)."""
+
+    weight: tuple[int, int] | None
+    bias: tuple[int, int] | None
+    name: str
+
+
+@dataclass
+class _Capture:
+    """One recorded call of a trainable Linear."""
+
+    slots: _Slots
+    inputs: torch.Tensor
+    output: torch.Tensor
+    version: int
+
+
+class RowGradients:
+    """Per-objective gradients from per-row gradients at the trainable ``nn.Linear`` s.
+
+    ``module`` is searched for the owners of ``parameters`` (the flat order of the stack
+    is the order of ``parameters``, as in :mod:`mogradient.gradients`).
+    """
+
+    def __init__(self, module: nn.Module, parameters: Sequence[torch.Tensor]) -> None:
+        self.parameters = list(parameters)
+        if not self.parameters:
+            raise ValueError("the parameter set is empty: pass the parameters to differentiate")
+        offsets, start = {}, 0
+        for parameter in self.parameters:
+            offsets[id(parameter)] = (start, start + parameter.numel())
+            start += parameter.numel()
+        self.size = start
+        self._modules: list[tuple[nn.Linear, _Slots]] = []
+        owned: set[int] = set()
+        for name, child in module.named_modules():
+            weight = offsets.get(id(child.weight)) if isinstance(child, nn.Linear) else None
+            bias = None
+            if isinstance(child, nn.Linear) and child.bias is not None:
+                bias = offsets.get(id(child.bias))
+            if weight is None and bias is None:
+                continue
+            self._modules.append((child, _Slots(weight, bias, name)))
+            owned.update(id(p) for p in (child.weight, child.bias) if p is not None)
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        self.unsupported = [
+            names.get(id(p), f"parameter {index}")
+            for index, p in enumerate(self.parameters)
+            if id(p) not in owned
+        ]
+        self._recording = False
+        self._captures: list[_Capture] = []
+
+    @property
+    def supported(self) -> bool:
+        """Whether every parameter belongs to a Linear (else use the K-backward engine)."""
+        return not self.unsupported
+
+    def supports(self, loss: CombinableLoss) -> bool:
+        """Whether ``loss`` can go through this engine: it declares rows, all is Linear."""
+        return self.supported and loss.rows is not None
+
+    # ----------------------------------------------------------- recording
+    @contextmanager
+    def hooked(self) -> Iterator[None]:
+        """Forward hooks on the trainable Linears for the block (nothing recorded yet)."""
+        handles = [
+            module.register_forward_hook(self._hook(slots)) for module, slots in self._modules
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the trainable Linears' calls of the forward run in the block.
+
+        What is recorded feeds the next :meth:`stack` or :meth:`gram` call; a forward
+        recomputed during backward (gradient checkpointing) runs outside and is ignored.
+        """
+        with self.hooked():
+            self._start()
+            try:
+                yield
+            finally:
+                self._recording = False
+
+    def _start(self) -> None:
+        self._captures = []
+        self._recording = True
+
+    def _hook(self, slots: _Slots):
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            if not self._recording or not isinstance(output, torch.Tensor):
+                return
+            if not torch.is_grad_enabled() or not output.requires_grad:
+                return  # a no-grad call (a rollout, a frozen adapter's pass)
+            self._captures.append(_Capture(slots, inputs[0], output, output._version))
+
+        return hook
+
+    def _recorded(
+        self, losses: Iterable[tuple[float, CombinableLoss]]
+    ) -> Iterator[tuple[float, CombinableLoss, list[_Capture]]]:
+        """The stream's pieces, each with the calls its forward made."""
+        iterator = iter(losses)
+        while True:
+            self._start()
+            try:
+                scale, loss = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self._recording = False
+            yield scale, loss, self._take()
+
+    def _take(self) -> list[_Capture]:
+        captures, self._captures = self._captures, []
+        return captures
+
+    # -------------------------------------------------------------- results
+    def stack(self, loss: CombinableLoss, retain_graph: bool = False) -> torch.Tensor:
+        """The K x D stack of the recorded forward's ``loss`` (``extra`` excluded)."""
+        return self._stack(loss, self._take(), retain_graph)
+
+    def gram(self, loss: CombinableLoss, retain_graph: bool = False) -> torch.Tensor:
+        """The K x K Gram of the recorded forward's objectives, in float64.
+
+        With one row value (V = 1: per-sample losses, Flow-GRPO, SDPO) it is c M c^T
+        from the per-row Gram M, module by module, without forming the stack.
+        """
+        captures = self._take()
+        values, coefficients = self._row_coefficients(loss)
+        if len(values) != 1 or _shares_parameters(captures):
+            stack = self._stack(loss, captures, retain_graph).double()
+            return stack @ stack.T
+        rows, copies = values.shape[1], loss.rows.copies
+        deltas = self._deltas(values[0].sum(), captures, retain_graph)
+        self._check_used(captures, [deltas])
+        reached = [(c, d) for c, d in zip(captures, deltas, strict=True) if d is not None]
+        groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for capture, delta in reached:
+            key = (capture.slots.weight, capture.slots.bias)
+            x = _rows_view(capture.inputs.detach(), rows, copies, capture.slots.name)
+            d = _rows_view(delta, rows, copies, capture.slots.name)
+            groups.setdefault(key, []).append((x, d))
+        per_row = torch.zeros(rows, rows, dtype=torch.float64, device=values.device)
+        for (weight, bias), calls in groups.items():
+            # A module called several times: its row gradient sums over every call's
+            # positions, so the calls are one call over their positions put together.
+            x = torch.cat([x for x, _ in calls], dim=1).double()
+            d = torch.cat([d for _, d in calls], dim=1).double()
+            per_row += _row_gram(x if weight is not None else None, d, bias is not None)
+        c = coefficients[:, 0].double()
+        return c @ per_row @ c.T
+
+    def accumulate(
+        self,
+        losses: Iterable[tuple[float, CombinableLoss]],
+        count: int | None = None,
+        apply_extra: bool = True,
+        verify: bool = False,
+        verify_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """``sum scale * stack`` over a stream of pieces, recording each piece's forward.
+
+        As :func:`mogradient.gradients.accumulate_gradients` without weights: the
+        ``extra`` terms go to ``.grad`` (unless ``apply_extra`` is False). ``verify``
+        also computes each piece with the K-backward engine and raises
+        :class:`RowGradientError` where they differ by more than round-off of
+        ``verify_dtype`` (the stack's by default; bfloat16 under bf16 autocast).
+        """
+        stack = None
+        with self.hooked():
+            for scale, loss, captures in self._recorded(losses):
+                extra = loss.extra if apply_extra else None
+                keep = extra is not None and extra.requires_grad
+                reference = None
+                if verify:
+                    reference = combinable_gradients(loss, self.parameters, retain_graph=True)
+                part = self._stack(loss, captures, retain_graph=keep)
+                if reference is not None:
+                    check_close(part, reference, verify_dtype)
+                stack = part * scale if stack is None else stack.add_(part, alpha=scale)
+                if keep:
+                    (extra * scale).backward()
+        if stack is None:
+            if count is None:
+                raise ValueError("an empty stream of losses needs count (the number of objectives)")
+            stack = torch.zeros(count, self.size, device=self.parameters[0].device)
+        return stack
+
+    # ------------------------------------------------------------ internals
+    def _row_coefficients(self, loss: CombinableLoss) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row values (V, R) and c = dL_k / d values (K, V, R), constants."""
+        if loss.rows is None:
+            raise RowGradientError(
+                "this loss declares no rows (CombinableLoss.rows): use "
+                "mogradient.gradients.combinable_gradients, or declare RowValues"
+            )
+        values = loss.rows.matrix
+        if values is loss.terms:
+            return values, loss.coefficients.to(device=values.device, dtype=values.dtype)
+        objectives = loss.objective_losses()
+        rows = []
+        for k in range(loss.num_objectives):
+            (grad,) = torch.autograd.grad(
+                objectives[k], loss.rows.values, retain_graph=True, allow_unused=True
+            )
+            rows.append(torch.zeros_like(values) if grad is None else grad.reshape(values.shape))
+        return values, torch.stack(rows).detach()
+
+    def _stack(
+        self, loss: CombinableLoss, captures: list[_Capture], retain_graph: bool
+    ) -> torch.Tensor:
+        values, coefficients = self._row_coefficients(loss)
+        count, rows = loss.num_objectives, values.shape[1]
+        copies = loss.rows.copies
+        dtype = torch.promote_types(self.parameters[0].dtype, torch.float32)
+        stack = torch.zeros(count, self.size, dtype=dtype, device=self.parameters[0].device)
+        active = [v for v in range(len(values)) if bool(coefficients[:, v].any())]
+        passes = []
+        for position, v in enumerate(active):
+            keep = retain_graph or position < len(active) - 1
+            deltas = self._deltas(values[v].sum(), captures, keep)
+            passes.append(deltas)
+            c = coefficients[:, v].to(dtype)
+            for capture, delta in zip(captures, deltas, strict=True):
+                if delta is not None:
+                    _add_contraction(stack, capture, delta, c, rows, copies)
+        self._check_used(captures, passes)
+        return stack
+
+    def _deltas(
+        self, seed: torch.Tensor, captures: list[_Capture], retain_graph: bool
+    ) -> Sequence[torch.Tensor | None]:
+        """d seed / d output of every recorded call (None where the seed does not reach)."""
+        if not captures:
+            return []
+        for capture in captures:
+            if capture.output._version != capture.version:
+                raise RowGradientError(
+                    f"the output of {capture.slots.name!r} was modified in place after the "
+                    "call; per-row gradients need it as it was"
+                )
+        outputs = [capture.output for capture in captures]
+        return torch.autograd.grad(seed, outputs, retain_graph=retain_graph, allow_unused=True)
+
+    def _check_used(
+        self, captures: list[_Capture], passes: list[Sequence[torch.Tensor | None]]
+    ) -> None:
+        """Raise as the K-backward engine does for parameters no objective reached."""
+        reached: set[int] = set()
+        for deltas in passes:
+            for capture, delta in zip(captures, deltas, strict=True):
+                if delta is not None:
+                    reached.update(s[0] for s in (capture.slots.weight, capture.slots.bias) if s)
+        if not passes:  # every coefficient zero: no pass ran, a recorded call is enough
+            for capture in captures:
+                reached.update(s[0] for s in (capture.slots.weight, capture.slots.bias) if s)
+        missing, start = [], 0
+        for index, parameter in enumerate(self.parameters):
+            if start not in reached:
+                missing.append(f"parameter {index} (shape {tuple(parameter.shape)})")
+            start += parameter.numel()
+        if missing:
+            shown = ", ".join(missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise UnusedParameterError(
+                f"{len(missing)} of {len(self.parameters)} parameters are not reached by any "
+                f"objective through a recorded call: {shown}. Was the forward run inside "
+                "RowGradients.recording() (or the stream given to accumulate), with grad "
+                "enabled and without reentrant checkpointing?"
+            )
+
+
+def _rows_view(tensor: torch.Tensor, rows: int, copies: int, name: str) -> torch.Tensor:
+    """A call's (M, ..., d) tensor as (R, copies x tokens, d): all of row r's positions."""
+    batch = tensor.shape[0] if tensor.ndim > 1 else 1
+    if tensor.ndim < 2 or batch != rows * copies:
+        raise RowGradientError(
+            f"{name!r} was called on a batch of {batch} rows, but the loss declares "
+            f"{rows} rows x {copies} copies: declare RowValues(copies=...) to match how "
+            "the forward stacks its rows, or use the K-backward engine"
+        )
+    width = tensor.shape[-1]
+    shaped = tensor.reshape(copies, rows, -1, width)
+    return shaped.transpose(0, 1).reshape(rows, -1, width) if copies > 1 else shaped[0]
+
+
+def _add_contraction(
+    stack: torch.Tensor,
+    capture: _Capture,
+    delta: torch.Tensor,
+    coefficients: torch.Tensor,
+    rows: int,
+    copies: int,
+) -> None:
+    """stack[:, slot] += sum_r c[k, r] (row r's gradient of the capture's parameters)."""
+    dtype = stack.dtype
+    d = _rows_view(delta, rows, copies, capture.slots.name).to(dtype)
+    slots = capture.slots
+    if slots.weight is not None:
+        x = _rows_view(capture.inputs.detach(), rows, copies, slots.name).to(dtype)
+        per_row = torch.bmm(d.transpose(1, 2), x).reshape(rows, -1)
+        start, end = slots.weight
+        stack[:, start:end].addmm_(coefficients, per_row)
+    if slots.bias is not None:
+        start, end = slots.bias
+        stack[:, start:end].addmm_(coefficients, d.sum(dim=1))
+
+
+def _row_gram(x: torch.Tensor | None, d: torch.Tensor, bias: bool) -> torch.Tensor:
+    """The R x R Gram of one module's per-row gradients, from (R, positions, width) views
+    of its inputs ``x`` (None: weight frozen) and output gradients ``d``.
+
+    Weight: per-row gradients formed and multiplied, or, when cheaper (few positions per
+    row, as in an MLP), the factored form <d_r^T x_r, d_s^T x_s> =
+    sum_{t,u} (d_rt . d_su)(x_rt . x_su) without forming them.
+    """
+    rows = d.shape[0]
+    gram = torch.zeros(rows, rows, dtype=d.dtype, device=d.device)
+    if x is not None:
+        positions, d_out, d_in = x.shape[1], d.shape[-1], x.shape[-1]
+        flat = rows * positions
+        if flat * flat * (d_in + d_out) < flat * d_in * d_out + rows * rows * d_in * d_out:
+            products = (d.reshape(flat, d_out) @ d.reshape(flat, d_out).T) * (
+                x.reshape(flat, d_in) @ x.reshape(flat, d_in).T
+            )
+            gram += products.reshape(rows, positions, rows, positions).sum(dim=(1, 3))
+        else:
+            per_row = torch.bmm(d.transpose(1, 2), x).reshape(rows, -1)
+            gram += per_row @ per_row.T
+    if bias:
+        summed = d.sum(dim=1)
+        gram += summed @ summed.T
+    return gram
+
+
+def _shares_parameters(captures: list[_Capture]) -> bool:
+    """Whether two different modules' calls hold one parameter (tied weights)."""
+    owners: dict[int, tuple] = {}
+    for capture in captures:
+        key = (capture.slots.weight, capture.slots.bias)
+        for slot in key:
+            if slot is not None and owners.setdefault(slot[0], key) != key:
+                return True
+    return False
+
+
+def check_close(
+    engine: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype | None = None
+) -> None:
+    """Raise RowGradientError where the per-row stack is not the K-backward one.
+
+    The tolerance is sqrt(eps) of ``dtype`` (the reference's by default) times the
+    largest entry: 1.5e-8 in float64, 3.5e-4 in float32, 0.09 in bfloat16. Round-off of
+    sums over many rows and positions stays below it; a structural error (rows stacked
+    otherwise than declared, mixed rows, a missed call) moves entries by their own size.
+    """
+    dtype = reference.dtype if dtype is None else dtype
+    scale = float(reference.abs().max()) if reference.numel() else 0.0
+    error = float((engine - reference).abs().max()) if reference.numel() else 0.0
+    tolerance = torch.finfo(dtype).eps ** 0.5 * scale
+    if not error <= tolerance:
+        raise RowGradientError(
+            f"per-row gradients differ from the K-backward engine by {error:.3g} (largest "
+            f"entry {scale:.3g}, tolerance {tolerance:.3g}): the forward mixes rows (e.g. "
+            "BatchNorm in training mode), uses a trainable weight outside its module's "
+            "call, or stacks rows otherwise than RowValues.copies says"
+        )
