@@ -221,11 +221,17 @@ class RowGradients:
         """``sum scale * stack`` over a stream of pieces, recording each piece's forward.
 
         As :func:`mogradient.gradients.accumulate_gradients` without weights: the
-        ``extra`` terms go to ``.grad`` (unless ``apply_extra`` is False). ``verify``
+        ``extra`` terms go to ``.grad`` (unless ``apply_extra`` is False). A piece that
+        declares no rows goes through the K-backward engine. ``verify``
         also computes each piece with the K-backward engine and raises
         :class:`RowGradientError` where they differ by more than round-off of
         ``verify_dtype`` (the stack's by default; bfloat16 under bf16 autocast).
         """
+        if not self.supported:
+            raise RowGradientError(
+                f"parameters outside an nn.Linear ({', '.join(self.unsupported[:3])}): use "
+                "mogradient.gradients.accumulate_gradients (the K-backward engine)"
+            )
         stack = None
         with self.hooked():
             for scale, loss, captures in self._recorded(losses):
@@ -234,7 +240,10 @@ class RowGradients:
                 reference = None
                 if verify:
                     reference = combinable_gradients(loss, self.parameters, retain_graph=True)
-                part = self._stack(loss, captures, retain_graph=keep)
+                if loss.rows is None:
+                    part = combinable_gradients(loss, self.parameters, retain_graph=keep)
+                else:
+                    part = self._stack(loss, captures, retain_graph=keep)
                 if reference is not None:
                     check_close(part, reference, verify_dtype)
                 stack = part * scale if stack is None else stack.add_(part, alpha=scale)

@@ -85,6 +85,10 @@ class TrainConfig:
     # Consecutive optimizer steps with non-finite gradients that are skipped before the
     # run stops (nothing non-finite is ever applied or checkpointed).
     max_nonfinite_steps: int = 3
+    # Per-objective gradients on solve steps and in the conflict probe: auto = one
+    # backward pass per row value of the losses where the model allows it (checked once
+    # against K backward passes), batched = K backward passes (for comparison).
+    gradient_engine: str = "auto"
 
 
 @dataclass
@@ -248,6 +252,7 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
     _choice("model.dtype", config.model.dtype, tuple(DTYPES))
     _choice("rollout.sampler", rollout.sampler, SAMPLERS)
     _choice("train.old_schedule", train.old_schedule, ("copy", "linear", "delayed_linear"))
+    _choice("train.gradient_engine", train.gradient_engine, ("auto", "batched"))
     for key, value in [
         ("rollout.resolution", rollout.resolution),
         ("rollout.steps", rollout.steps),

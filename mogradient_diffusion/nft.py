@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
-from mogradient.objectives import CombinableLoss, masked_mean_coefficients
+from mogradient.objectives import CombinableLoss, RowValues, masked_mean_coefficients
 
 if TYPE_CHECKING:
     from mogradient_diffusion.objectives.nft import NFTSettings
@@ -157,6 +157,6 @@ def nft_loss(
             )
         difference = v_theta.to(positive.dtype) - v_reference.detach().to(positive.dtype)
         extra = config.kl_coefficient * difference.square().mean()
-    return CombinableLoss(
-        terms=torch.stack((positive, negative)), coefficients=coefficients, extra=extra
-    )
+    terms = torch.stack((positive, negative))
+    # Each branch error is one sample's, computed from its own forward row.
+    return CombinableLoss(terms, coefficients, extra, rows=RowValues(terms))

@@ -16,9 +16,9 @@ import yaml
 
 from mogradient_diffusion.config import ConfigError, TrainingConfig
 
-# Never part of the comparison: the length of the run, console noise, and the directory
-# itself (a run may be moved).
-FREE = ("train.epochs", "run.quiet", "run.directory")
+# Never part of the comparison: the length of the run, console noise, the directory
+# itself (a run may be moved), and the gradient engine (the same gradients up to round-off).
+FREE = ("train.epochs", "run.quiet", "run.directory", "train.gradient_engine")
 # Cached weights, prompt streams, RNG streams and adapter shapes are saved under these.
 # The objective's name too: its saved state (an advantage tracker) belongs to it.
 FIXED = ("rewards", "strategy", "prompts", "run.seed", "lora.rank", "model.path", "objective.name")

@@ -21,7 +21,7 @@ import dataclasses
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,9 +58,13 @@ from mogradient_diffusion.resume import check_resume, write_resume_record
 from mogradient_diffusion.rewards import RewardSet, make_reward
 from mogradient_diffusion.rewards.background import BackgroundScoring
 from mogradient_diffusion.runlog import RunLog
+from mogradient_diffusion.step_gradients import StepGradients
 from mogradient_diffusion.strategies import Strategy, build_strategy
 
 LossStream = Iterator[tuple[float, CombinableLoss]]
+# Each optimizer step's timers, summed per epoch. The conflict probe's extra gradients are
+# a measurement, not part of any method's cost: apart, in time/probe.
+STEP_TIMERS = ("time/backward", "time/harmonize", "time/probe", "time/optimizer")
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,12 @@ class Trainer:
             gradient_checkpointing=config.model.gradient_checkpointing,
         )
         self.parameters = self.policy.trainable_parameters()
+        self.gradients = StepGradients(
+            self.policy.transformer,
+            self.parameters,
+            config.train.gradient_engine,
+            compute_dtype=DTYPES[config.model.dtype],
+        )
         self._synchronize_adapters()
         self.strategy: Strategy = build_strategy(
             config.strategy, self.reward_names, seed=config.run.seed
@@ -201,7 +211,7 @@ class Trainer:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         step_records = self._train_on(epoch_data)
-        for key in ("time/backward", "time/harmonize", "time/optimizer"):
+        for key in STEP_TIMERS:
             times[key] = sum(record[key] for record in step_records)
         times["time/train"] = time.perf_counter() - started
         # The reference schedules count optimizer steps, not epochs.
@@ -308,29 +318,45 @@ class Trainer:
             # Adam's momentum replay earlier gradients (and the KL pull alone).
             self.optimizer_step += 1
             return skipped_step_record("no reward signal", count)
-        replay = generator.get_state() if probe is not None else None
+        replay = generator.get_state()
         metrics = StepMetrics()
         losses = self.objective.losses(self.policy, step, generator, metrics)
         if self.strategy.needs_gradients():
-            weights, record = self._solve_step(losses, count)
+            weights, record = self._solve_step(losses, count, self._replayer(step, replay))
         else:
             weights, record = self._cached_step(losses, count)
         record.update({f"objective/{key}": value for key, value in metrics.summary().items()})
         started = time.perf_counter()
-        if replay is not None and not record["solved"]:
-            record.update(self._conflict_probe(probe, replay))
-        record["time/harmonize"] += time.perf_counter() - started
+        record["time/probe"] = 0.0
+        if probe is not None and not record["solved"]:
+            probe, _ = self._mask_silent_in_step(probe)
+            record.update(self._conflict_probe(probe, self._replayer(probe, replay)))
+            record["time/probe"] = time.perf_counter() - started
         record["weights"] = [float(w) for w in weights]
         started = time.perf_counter()
         self._apply_step(record)
         record["time/optimizer"] = time.perf_counter() - started
         return record
 
-    def _solve_step(self, losses: LossStream, count: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _replayer(self, step: list[TrainPiece], state: torch.Tensor) -> Callable[[], LossStream]:
+        """A fresh copy of ``step``'s loss stream (same draws from generator ``state``),
+        whose diagnostics go nowhere: for the probe and the engine check."""
+
+        def replay() -> LossStream:
+            generator = torch.Generator()
+            generator.set_state(state)
+            return self.objective.losses(self.policy, step, generator, StepMetrics())
+
+        return replay
+
+    def _solve_step(
+        self, losses: LossStream, count: int, replay: Callable[[], LossStream]
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Per-objective gradients (the KL term straight to ``.grad``), solve, apply."""
         started = time.perf_counter()
-        stack = accumulate_gradients(losses, self.parameters, count=count)
+        stack = self.gradients.stack(losses, count)
         record: dict[str, Any] = {"time/backward": time.perf_counter() - started}
+        self._check_engine(stack, replay, count)
         started = time.perf_counter()
         self.world.average_gradients(self.parameters)
         stack = self.world.average(stack)
@@ -347,8 +373,29 @@ class Trainer:
             {f"harmonize/{k}": v for k, v in diagnostics.items() if not isinstance(v, list)}
         )
         record["time/harmonize"] = time.perf_counter() - started
-        record.update(solved=1, fallback=solved.fallback)
+        record.update(solved=1, fallback=solved.fallback, engine=self.gradients.name)
         return weights, record
+
+    def _check_engine(
+        self, stack: torch.Tensor, replay: Callable[[], LossStream], count: int
+    ) -> None:
+        """Once per process: the per-row engine against K backward passes (every rank
+        agrees on the outcome). On a disagreement the stack is replaced by the
+        K-backward one and the run goes on with that engine."""
+        if self.gradients.checked:
+            return
+        engine = self.gradients.name
+        reason = self.gradients.check(stack, replay, count)
+        failed = torch.tensor([0.0 if reason is None else 1.0], device=self.world.device)
+        if float(self.world.average(failed)) > 0:
+            self.gradients.rows = None
+            reference = self.gradients.stack(replay(), count, apply_extra=False)
+            stack.copy_(reference.to(stack.dtype))
+            self._warn(
+                f"the {engine} gradient engine disagreed with K backward passes on this "
+                f"model ({reason or 'on another rank'}); training goes on with the "
+                "K-backward engine (train.gradient_engine=batched)"
+            )
 
     def _cached_step(self, losses: LossStream, count: int) -> tuple[torch.Tensor, dict[str, Any]]:
         """Rank 0's cached or fixed weights, and one combined backward per piece."""
@@ -402,20 +449,19 @@ class Trainer:
         if self.world.is_main:
             tqdm.write(f"mogradient-diffusion: warning: {message}", file=sys.stderr)
 
-    def _conflict_probe(self, probe: list[TrainPiece], replay: torch.Tensor) -> dict:
+    def _conflict_probe(
+        self, probe: list[TrainPiece], replay: Callable[[], LossStream]
+    ) -> dict[str, float]:
         """cos(applied update, g_k) for every reward, on the step's own samples and noise.
 
         For steps that did not compute per-reward gradients (scalar baselines, cached
         MARBLE steps): K more gradients from per-reward advantages, replaying the step's
         loss stream from its generator state, against the gradient about to be applied
-        (``.grad``, KL term included).
+        (``.grad``, KL term included). With the per-row engine that is one backward pass
+        per row value, not one per reward. Timed apart from the step (``time/probe``).
         """
-        generator = torch.Generator()
-        generator.set_state(replay)
-        probe, _ = self._mask_silent_in_step(probe)
         count = probe[0].advantages.shape[-1]
-        losses = self.objective.losses(self.policy, probe, generator, StepMetrics())
-        stack = accumulate_gradients(losses, self.parameters, count=count, apply_extra=False)
+        stack = self.gradients.stack(replay(), count, apply_extra=False)
         stack = self.world.average(stack)
         direction = flat_gradient(self.parameters).float()
         diagnostics = conflict_diagnostics(torch.ones(count), jacobian=stack, direction=direction)
@@ -614,7 +660,7 @@ def build_rewards(config: TrainingConfig) -> RewardSet:
 
 def skipped_step_record(reason: str, count: int) -> dict[str, Any]:
     """The record of an optimizer step that applied nothing (``count`` objectives)."""
-    idle = dict.fromkeys(("time/backward", "time/harmonize", "time/optimizer"), 0.0)
+    idle = dict.fromkeys(STEP_TIMERS, 0.0)
     return idle | {"skipped": reason, "solved": 0, "weights": [0.0] * count}
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from mogradient.objectives import CombinableLoss, masked_mean_coefficients
+from mogradient.objectives import CombinableLoss, RowValues, masked_mean_coefficients
 from mogradient_diffusion.advantages import group_advantages
 from mogradient_diffusion.objectives.base import (
     Advantages,
@@ -36,6 +36,7 @@ from mogradient_diffusion.objectives.step_rollout import (
     StepRollout,
     check_step_objective_config,
     config_error,
+    forward_copies,
     reference_step_mean,
     rescore_step,
     step_rollout,
@@ -122,6 +123,7 @@ def flow_grpo_loss(
     kl: Tensor | None = None,
     valid_counts: Tensor | None = None,
     total_entries: int | None = None,
+    row_copies: int | None = None,
 ) -> CombinableLoss:
     """The K per-reward Flow-GRPO losses of N (image, step) entries.
 
@@ -130,6 +132,9 @@ def flow_grpo_loss(
     over its valid entries, over ``valid_counts[k]`` of them when these N entries are one
     piece of an optimizer step. ``kl`` [N] is each entry's mean((mu - mu_ref)^2) /
     (2 sigma_t^2); beta times its mean over ``total_entries`` (default N) is ``extra``.
+    ``row_copies``: the N entries are the rows of one forward, stacked that many times
+    (2 under CFG): every term then reaches the network through its row's log-probability,
+    and the loss declares it (:class:`~mogradient.objectives.RowValues`).
     """
     if log_probs.ndim != 1 or old_log_probs.shape != log_probs.shape:
         raise ValueError(
@@ -153,7 +158,8 @@ def flow_grpo_loss(
         if kl.shape != log_probs.shape:
             raise ValueError(f"kl must be [N={len(log_probs)}], got {tuple(kl.shape)}")
         extra = settings.kl_coefficient * kl.to(dtype).sum() / (total_entries or len(kl))
-    return CombinableLoss(terms=terms, coefficients=coefficients, extra=extra)
+    rows = None if row_copies is None else RowValues(log_probs, copies=row_copies)
+    return CombinableLoss(terms=terms, coefficients=coefficients, extra=extra, rows=rows)
 
 
 def kl_to_reference(mean: Tensor, reference_mean: Tensor, noise_scale: Tensor) -> Tensor:
@@ -249,7 +255,14 @@ class FlowGRPOObjective(Stateless):
                 yield (
                     1.0,
                     flow_grpo_loss(
-                        log_probs, old, piece.advantages, self.settings, kl, valid_counts, entries
+                        log_probs,
+                        old,
+                        piece.advantages,
+                        self.settings,
+                        kl,
+                        valid_counts,
+                        entries,
+                        row_copies=forward_copies(data),
                     ),
                 )
         ratios.close()

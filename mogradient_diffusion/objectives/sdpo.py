@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from mogradient.objectives import CombinableLoss, masked_mean_coefficients
+from mogradient.objectives import CombinableLoss, RowValues, masked_mean_coefficients
 from mogradient_diffusion.advantages import group_advantages
 from mogradient_diffusion.objectives.base import (
     Advantages,
@@ -45,6 +45,7 @@ from mogradient_diffusion.objectives.step_rollout import (
     StepRollout,
     check_step_objective_config,
     config_error,
+    forward_copies,
     rescore_step,
     step_rollout,
 )
@@ -140,13 +141,16 @@ def sdpo_loss(
     differences: Tensor,
     settings: SDPOSettings,
     valid_counts: Tensor | None = None,
+    rows: RowValues | None = None,
 ) -> CombinableLoss:
     """The K per-reward SDPO losses of N (pair, step) entries.
 
     Log-probs are [N] (the trained ones differentiable), ``steps`` [N] the schedule index
     of each entry, ``differences`` [N, K] the pairs' :func:`advantage_differences` (NaN
     where reward k does not apply). Reward k's loss is the mean over its valid entries
-    (over ``valid_counts[k]`` when this is one piece of an optimizer step).
+    (over ``valid_counts[k]`` when this is one piece of an optimizer step). ``rows``:
+    where the log-probs meet the network, when both sides came from one forward (its
+    row values are both sides' log-probs, from which ``log_probs_a`` and ``_b`` are cut).
     """
     n = len(log_probs_a)
     for name, tensor in (
@@ -180,7 +184,7 @@ def sdpo_loss(
     )
     coefficients = masked_mean_coefficients(per_sample, ~torch.isnan(delta), valid_counts)
     terms = torch.stack((u**2, u, u_clip**2, u_clip, torch.ones_like(u)))
-    return CombinableLoss(terms=terms, coefficients=coefficients)
+    return CombinableLoss(terms=terms, coefficients=coefficients, rows=rows)
 
 
 @dataclass(frozen=True)
@@ -363,6 +367,7 @@ class SDPOObjective:
                     piece.advantages[:, column],
                     self.settings,
                     valid_counts,
+                    rows=RowValues(log_probs, copies=forward_copies(both)),
                 )
                 yield 1.0, loss
         ratios.close()

@@ -89,6 +89,12 @@ def rescore_step(
     return transition_log_prob(x, v, x_next, level, level_next, float(data.sigmas[1]), eta)
 
 
+def forward_copies(data: StepRollout) -> int:
+    """How many times :func:`rescore_step`'s forward stacks the rows: 2 under CFG (the
+    unconditional and conditional halves, ``guided_velocity``), else 1."""
+    return 1 if data.negative is None else 2
+
+
 def reference_step_mean(policy: Policy, data: StepRollout, column: int, eta: float) -> Tensor:
     """The SDE step's mean under the adapter-free base model (no gradient), for the KL."""
     with torch.no_grad():
