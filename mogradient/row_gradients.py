@@ -34,7 +34,8 @@ false, so callers fall back to :func:`mogradient.gradients.combinable_gradients`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import collections
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -191,22 +192,27 @@ class RowGradients:
             stack = self._stack(loss, captures, retain_graph).double()
             return stack @ stack.T
         rows, copies = values.shape[1], loss.rows.copies
-        deltas = self._deltas(values[0].sum(), captures, retain_graph)
-        self._check_used(captures, [deltas])
-        reached = [(c, d) for c, d in zip(captures, deltas, strict=True) if d is not None]
-        groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for capture, delta in reached:
-            key = (capture.slots.weight, capture.slots.bias)
-            x = _rows_view(capture.inputs.detach(), rows, copies, capture.slots.name)
-            d = _rows_view(delta, rows, copies, capture.slots.name)
-            groups.setdefault(key, []).append((x, d))
         per_row = torch.zeros(rows, rows, dtype=torch.float64, device=values.device)
-        for (weight, bias), calls in groups.items():
-            # A module called several times: its row gradient sums over every call's
-            # positions, so the calls are one call over their positions put together.
-            x = torch.cat([x for x, _ in calls], dim=1).double()
-            d = torch.cat([d for _, d in calls], dim=1).double()
-            per_row += _row_gram(x if weight is not None else None, d, bias is not None)
+        calls = collections.Counter((c.slots.weight, c.slots.bias) for c in captures)
+        summed: dict[tuple, torch.Tensor] = {}  # modules called several times
+
+        def add(capture: _Capture, delta: torch.Tensor) -> None:
+            nonlocal per_row
+            key = (capture.slots.weight, capture.slots.bias)
+            x = None
+            if capture.slots.weight is not None:
+                x = _rows_view(capture.inputs.detach(), rows, copies, capture.slots.name)
+            d = _rows_view(delta, rows, copies, capture.slots.name)
+            if calls[key] == 1:
+                per_row += _row_gram(x, d, capture.slots.bias is not None)
+            else:  # the Gram of a sum over calls: sum the calls' row gradients first
+                gradient = _per_row_gradient(x, d, capture.slots.bias is not None)
+                summed[key] = gradient if key not in summed else summed[key] + gradient
+
+        reached = self._pass(values[0].sum(), captures, retain_graph, add)
+        self._check_used(captures, [reached])
+        for gradient in summed.values():
+            per_row += gradient @ gradient.T
         c = coefficients[:, 0].double()
         return c @ per_row @ c.T
 
@@ -287,42 +293,60 @@ class RowGradients:
         passes = []
         for position, v in enumerate(active):
             keep = retain_graph or position < len(active) - 1
-            deltas = self._deltas(values[v].sum(), captures, keep)
-            passes.append(deltas)
             c = coefficients[:, v].to(dtype)
-            for capture, delta in zip(captures, deltas, strict=True):
-                if delta is not None:
-                    _add_contraction(stack, capture, delta, c, rows, copies)
+
+            def add(capture: _Capture, delta: torch.Tensor, c: torch.Tensor = c) -> None:
+                _add_contraction(stack, capture, delta, c, rows, copies)
+
+            passes.append(self._pass(values[v].sum(), captures, keep, add))
         self._check_used(captures, passes)
         return stack
 
-    def _deltas(
-        self, seed: torch.Tensor, captures: list[_Capture], retain_graph: bool
-    ) -> Sequence[torch.Tensor | None]:
-        """d seed / d output of every recorded call (None where the seed does not reach)."""
-        if not captures:
-            return []
-        for capture in captures:
+    def _pass(
+        self,
+        seed: torch.Tensor,
+        captures: list[_Capture],
+        retain_graph: bool,
+        consume: Callable[[_Capture, torch.Tensor], None],
+    ) -> set[int]:
+        """Back-propagate ``seed``, handing each recorded call's output gradient to
+        ``consume`` as soon as autograd has it (so no pass holds them all at once).
+
+        Returns the indices of the calls the seed reached. The backward runs to the
+        trainable parameters, whose own gradients are dropped.
+        """
+        reached: set[int] = set()
+        handles = []
+        for index, capture in enumerate(captures):
             if capture.output._version != capture.version:
                 raise RowGradientError(
                     f"the output of {capture.slots.name!r} was modified in place after the "
                     "call; per-row gradients need it as it was"
                 )
-        outputs = [capture.output for capture in captures]
-        return torch.autograd.grad(seed, outputs, retain_graph=retain_graph, allow_unused=True)
 
-    def _check_used(
-        self, captures: list[_Capture], passes: list[Sequence[torch.Tensor | None]]
-    ) -> None:
+            def hook(grad: torch.Tensor, index: int = index, capture: _Capture = capture) -> None:
+                reached.add(index)
+                consume(capture, grad)
+
+            handles.append(capture.output.register_hook(hook))
+        try:
+            if captures:
+                torch.autograd.grad(
+                    seed, self.parameters, retain_graph=retain_graph, allow_unused=True
+                )
+        finally:
+            for handle in handles:
+                handle.remove()
+        return reached
+
+    def _check_used(self, captures: list[_Capture], passes: list[set[int]]) -> None:
         """Raise as the K-backward engine does for parameters no objective reached."""
         reached: set[int] = set()
-        for deltas in passes:
-            for capture, delta in zip(captures, deltas, strict=True):
-                if delta is not None:
-                    reached.update(s[0] for s in (capture.slots.weight, capture.slots.bias) if s)
-        if not passes:  # every coefficient zero: no pass ran, a recorded call is enough
-            for capture in captures:
-                reached.update(s[0] for s in (capture.slots.weight, capture.slots.bias) if s)
+        indices = set().union(*passes) if passes else range(len(captures))
+        # (no pass: every coefficient zero, a recorded call is enough)
+        for index in indices:
+            slots = captures[index].slots
+            reached.update(s[0] for s in (slots.weight, slots.bias) if s)
         missing, start = [], 0
         for index, parameter in enumerate(self.parameters):
             if start not in reached:
@@ -354,6 +378,18 @@ def _rows_view(tensor: torch.Tensor, rows: int, copies: int, name: str) -> torch
     return shaped.transpose(0, 1).reshape(rows, -1, width) if copies > 1 else shaped[0]
 
 
+def _per_row_gradient(x: torch.Tensor | None, d: torch.Tensor, bias: bool) -> torch.Tensor:
+    """(R, D_module): each row's gradient of a Linear's trainable weight and bias, from
+    (R, positions, width) views of its inputs ``x`` (None: weight frozen) and output
+    gradients ``d``, in ``d``'s dtype."""
+    parts = []
+    if x is not None:
+        parts.append(torch.bmm(d.transpose(1, 2), x.to(d.dtype)).reshape(len(d), -1))
+    if bias:
+        parts.append(d.sum(dim=1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def _add_contraction(
     stack: torch.Tensor,
     capture: _Capture,
@@ -368,37 +404,36 @@ def _add_contraction(
     slots = capture.slots
     if slots.weight is not None:
         x = _rows_view(capture.inputs.detach(), rows, copies, slots.name).to(dtype)
-        per_row = torch.bmm(d.transpose(1, 2), x).reshape(rows, -1)
         start, end = slots.weight
-        stack[:, start:end].addmm_(coefficients, per_row)
+        stack[:, start:end].addmm_(coefficients, _per_row_gradient(x, d, bias=False))
     if slots.bias is not None:
         start, end = slots.bias
         stack[:, start:end].addmm_(coefficients, d.sum(dim=1))
 
 
 def _row_gram(x: torch.Tensor | None, d: torch.Tensor, bias: bool) -> torch.Tensor:
-    """The R x R Gram of one module's per-row gradients, from (R, positions, width) views
-    of its inputs ``x`` (None: weight frozen) and output gradients ``d``.
+    """The R x R Gram (float64) of one call's per-row gradients, from (R, positions,
+    width) views of its inputs ``x`` (None: weight frozen) and output gradients ``d``.
 
     Weight: per-row gradients formed and multiplied, or, when cheaper (few positions per
     row, as in an MLP), the factored form <d_r^T x_r, d_s^T x_s> =
-    sum_{t,u} (d_rt . d_su)(x_rt . x_su) without forming them.
+    sum_{t,u} (d_rt . d_su)(x_rt . x_su) without forming them. Products in the inputs'
+    dtype (float32 in training), sums of the R x R entries in float64.
     """
     rows = d.shape[0]
-    gram = torch.zeros(rows, rows, dtype=d.dtype, device=d.device)
+    gram = torch.zeros(rows, rows, dtype=torch.float64, device=d.device)
     if x is not None:
         positions, d_out, d_in = x.shape[1], d.shape[-1], x.shape[-1]
         flat = rows * positions
         if flat * flat * (d_in + d_out) < flat * d_in * d_out + rows * rows * d_in * d_out:
-            products = (d.reshape(flat, d_out) @ d.reshape(flat, d_out).T) * (
-                x.reshape(flat, d_in) @ x.reshape(flat, d_in).T
-            )
-            gram += products.reshape(rows, positions, rows, positions).sum(dim=(1, 3))
+            d_flat, x_flat = d.reshape(flat, d_out), x.to(d.dtype).reshape(flat, d_in)
+            products = (d_flat @ d_flat.T) * (x_flat @ x_flat.T)
+            gram += products.reshape(rows, positions, rows, positions).double().sum(dim=(1, 3))
         else:
-            per_row = torch.bmm(d.transpose(1, 2), x).reshape(rows, -1)
+            per_row = _per_row_gradient(x, d, bias=False).double()
             gram += per_row @ per_row.T
     if bias:
-        summed = d.sum(dim=1)
+        summed = d.sum(dim=1).double()
         gram += summed @ summed.T
     return gram
 
