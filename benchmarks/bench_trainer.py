@@ -4,7 +4,7 @@ Why: MARBLE's claim is that amortizing the MGDA solve (per-objective gradients e
 N = 10 optimizer steps, cached smoothed weights in between) keeps training as fast as the
 weighted-sum baseline, and that solving every step costs a bounded slowdown. This runs
 the real trainer (``python -m mogradient_diffusion.cli train --preset tiny``) with
-K = 5 rewards under three strategies side by side:
+K = 4 rewards under three strategies side by side:
 
 * ``weighted_sum``: one scalar objective (sum of the rewards), one backward per loss;
 * ``marble_amortized``: ``strategy.period=10``, ``strategy.rho=0.7``;
@@ -44,13 +44,9 @@ NAME = "trainer_tiny_cpu"
 # matmul loop measured 0.07 s with 1 thread, 0.07-1.6 s with 2, bimodal across runs);
 # 1 thread was stable. --threads overrides it.
 THREADS = 1
-REWARDS = (
-    "color_match",
-    "count_match",
-    "jpeg_incompressibility",
-    "jpeg_compressibility",
-    "ocr",
-)
+# jpeg_compressibility is left out: it is jpeg_incompressibility's negative, so the
+# weighted sum of the two cancels and every weighted-sum step was skipped for lack of signal.
+REWARDS = ("color_match", "count_match", "jpeg_incompressibility", "ocr")
 BASELINE = "weighted_sum"
 STRATEGIES: dict[str, list[str]] = {
     "weighted_sum": ["strategy.name=weighted_sum"],
@@ -109,10 +105,10 @@ def child_main(stats_path: str, cli_args: list[str]) -> int:
             stats["hwm_reset"] = False
         return original_run(self)
 
-    def timed(function, *args):
+    def timed(function, *args, **kwargs):
         steal, total = cpu_jiffies()
         wall, cpu = time.perf_counter(), time.process_time()
-        result = function(*args)
+        result = function(*args, **kwargs)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         steal_after, total_after = cpu_jiffies()
         stolen = (steal_after - steal) / max(1, total_after - total)
@@ -123,8 +119,10 @@ def child_main(stats_path: str, cli_args: list[str]) -> int:
         stats["epochs"].append({"epoch": self.epoch, **timing})
         return record
 
-    def optimizer_step_on(self, group, generator):
-        record, timing = timed(original_step, self, group, generator)
+    def optimizer_step_on(self, *args, **kwargs):
+        # Forward whatever the trainer passes (step, generator, probe, ...): the wrapper
+        # only times the call, so it must not pin the method's signature.
+        record, timing = timed(original_step, self, *args, **kwargs)
         stats["steps"].append({"epoch": self.epoch, "solved": int(record["solved"]), **timing})
         return record
 

@@ -95,11 +95,14 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_results(name: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
-    """Write results/<name>.json and results/<name>.md; return both paths."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    json_path = RESULTS_DIR / f"{name}.json"
-    md_path = RESULTS_DIR / f"{name}.md"
+def write_results(
+    name: str, payload: dict[str, Any], markdown: str, directory: Path | None = None
+) -> tuple[Path, Path]:
+    """Write <directory>/<name>.json and .md (default benchmarks/results); return both paths."""
+    directory = RESULTS_DIR if directory is None else Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / f"{name}.json"
+    md_path = directory / f"{name}.md"
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     md_path.write_text(markdown.rstrip() + "\n")
     return json_path, md_path

@@ -1,0 +1,152 @@
+"""Every benchmark script's ``--quick`` mode, end to end: a script nobody runs rots.
+
+bench_trainer.py did: its wrapper pinned an old ``Trainer.optimizer_step_on`` signature and
+crashed on the first step. bench_gpu.py (tests/test_bench_gpu.py, ``--shape small``) and
+benchmarks/mtl (tests/test_mtl_benchmark.py) have their own smoke runs.
+
+bench_gradient_engines.py and bench_mgda_exactness.py write their results next to
+themselves (``benchmarks/results/``, even with ``--quick``), so they run from a copy under
+``tmp_path``: a test never overwrites the committed results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+RESULTS = BENCHMARKS / "results"
+
+
+def _copy_scripts(tmp_path: Path) -> Path:
+    """The top-level benchmark modules (scripts and common.py), copied to ``tmp_path``.
+
+    Why: common.write_results writes beside the script, so the copy's results/ is a
+    temporary folder; the copied code is the checkout's, byte for byte.
+    """
+    target = tmp_path / "benchmarks"
+    target.mkdir()
+    for source in BENCHMARKS.glob("*.py"):
+        shutil.copy2(source, target / source.name)
+    return target
+
+
+def _run_quick(script: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """``python <script> --quick`` in a fresh process, as a user would run it; must exit 0."""
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [sys.executable, str(script), "--quick", *options],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def _results_state() -> dict[str, int]:
+    """Modification times of the committed results, to check a run left them alone."""
+    return {str(path): path.stat().st_mtime_ns for path in RESULTS.rglob("*") if path.is_file()}
+
+
+def _load(folder: Path, name: str) -> dict[str, Any]:
+    assert (folder / f"{name}.md").stat().st_size > 0
+    return json.loads((folder / f"{name}.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tesseract") is None, reason="the ocr reward needs tesseract")
+def test_trainer_benchmark_quick_times_every_strategy_and_writes_nothing() -> None:
+    """Three real training runs through the --child wrapper; the report comes out on stdout."""
+    pytest.importorskip("diffusers", reason="the diffusion extra is not installed")
+    before = _results_state()
+    result = _run_quick(BENCHMARKS / "bench_trainer.py")
+    out = result.stdout
+
+    assert "# Training loop: weighted sum vs MARBLE (tiny preset, CPU)" in out
+    for strategy in ("weighted_sum", "marble_amortized", "marble_every_step"):
+        assert f"] {strategy}_r0: train " in out
+    assert "solved 8/8" in out.split("marble_every_step_r0:")[1].splitlines()[0]
+    # The wrapper timed optimizer_step_on (where the old signature crashed).
+    step_row = re.search(r"\| MARBLE every step \(N=1\) \| (\d+\.\d+) \| n/a \|", out)
+    assert step_row is not None and float(step_row.group(1)) > 0
+    assert "## Against the paper's targets" in out
+    assert "wrote " not in out
+    assert _results_state() == before
+
+
+@pytest.mark.slow
+def test_gradient_engines_quick_writes_every_engine(tmp_path: Path) -> None:
+    """Every engine timed, measured for memory in its own process, and agreeing."""
+    scripts = _copy_scripts(tmp_path)
+    result = _run_quick(scripts / "bench_gradient_engines.py")
+    payload = _load(scripts / "results", "gradient_engines")
+
+    assert payload["mode"] == "quick" and payload["repeats"] == 3
+    engines = payload["engines"]
+    assert "single backward (sum of losses)" in engines and len(engines) >= 4
+    for name, entry in engines.items():
+        assert len(entry["times_ms"]) == 3 and entry["median_ms"] > 0, name
+        assert entry["peak_mib"] > 0, name
+        assert entry["max_rel_diff"] < 1e-4, name
+        assert f"| {name} |" in result.stdout
+    assert "| engine | wall ms |" in result.stdout
+
+
+def test_mgda_exactness_quick_writes_cases_and_stress(tmp_path: Path) -> None:
+    """The two quick cases and the stress stacks, with all three printed tables."""
+    pytest.importorskip("torchjd", reason="the benchmark compares against TorchJD")
+    scripts = _copy_scripts(tmp_path)
+    result = _run_quick(scripts / "bench_mgda_exactness.py")
+    payload = _load(scripts / "results", "mgda_exactness")
+
+    assert payload["mode"] == "quick"
+    cases = [(case["num_objectives"], case["dim"]) for case in payload["cases"]]
+    assert cases == [(2, 1_000_000), (5, 1_000_000)]
+    assert all(case["methods"] for case in payload["cases"])
+    assert payload["stress"]
+    for heading in ("Speed", "MGDA", "UPGrad", "Stress stacks"):
+        assert f"\n{heading}\n" in result.stdout
+    assert "| K | D |" in result.stdout
+
+
+@pytest.mark.slow
+def test_engine_cost_quick_times_both_engines(tmp_path: Path) -> None:
+    """The weighted sum and every-step MARBLE with each engine on the mini recipe."""
+    pytest.importorskip("diffusers", reason="the diffusion extra is not installed")
+    _run_quick(BENCHMARKS / "bench_engine_cost.py", "--out", str(tmp_path))
+    payload = _load(tmp_path, "engine_cost")
+    rows = {(r["row"]["strategy"], r["row"]["engine"]): r for r in payload["rows"]}
+    assert set(rows) == {
+        ("weighted_sum", "auto"),
+        ("marble_every_step", "auto"),
+        ("marble_every_step", "batched"),
+    }
+    assert rows[("marble_every_step", "auto")]["engines"] == ["rows"]
+    assert rows[("marble_every_step", "batched")]["engines"] == ["batched"]
+    every = rows[("marble_every_step", "auto")]
+    assert every["solved"] == every["steps"] > 0 and every["train_throughput"] > 0
+    assert rows[("weighted_sum", "auto")]["skipped"] < rows[("weighted_sum", "auto")]["steps"]
+
+
+def test_instance_gram_quick_compares_with_torchjd(tmp_path: Path) -> None:
+    """Both models, both methods: times, memory, and errors at float32 round-off."""
+    pytest.importorskip("torchjd", reason="the benchmark compares against TorchJD")
+    _run_quick(BENCHMARKS / "bench_instance_gram.py", "--out", str(tmp_path))
+    payload = _load(tmp_path, "instance_gram")
+    assert [case["model"] for case in payload["cases"]] == ["mlp", "transformer"]
+    for case in payload["cases"]:
+        assert set(case["median_ms"]) == {"mogradient", "torchjd", "forward + backward"}
+        assert all(error < 1e-5 for error in case["relative_error"].values())
+        assert all(value >= 0 for value in case["peak_growth_mib"].values())
