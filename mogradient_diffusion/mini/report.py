@@ -279,14 +279,14 @@ def step_cosines(run_dir: Path) -> list[dict[str, Any]]:
     return steps
 
 
-# (row label, method key, which steps): MARBLE's steps split by solved vs cached; the
-# every-step ablation solves (and so has cosines) on every step without the probe.
+# (row label, method key, which steps): MARBLE's steps split by solved vs cached; MARBLE
+# every step solves (and so has cosines) on every step of every seed without the probe.
 CONFLICT_ROWS = (
     ("weighted sum", "weighted_sum", None),
     ("MARBLE (N=10, rho 0.7), all steps", "marble", None),
     ("MARBLE: its full-solve steps", "marble", 1),
     ("MARBLE: its cached-weight steps", "marble", 0),
-    ("MARBLE solve every step (rho 0.7)", "marble_every_step", None),
+    ("MARBLE every step (N=1)", "marble_every_step", None),
     ("MARBLE smoothed weights on solve steps: its solve steps", "marble_smoothed", 1),
 )
 

@@ -73,6 +73,7 @@ def test_full_mode_has_every_row_the_issue_names():
     for method, seed in jobs_of(MODES["full"]):
         seeds.setdefault(method.key, set()).add(seed)
     assert seeds["marble"] == seeds["noise_control"] == {0, 1, 2}  # main rows: 3 seeds
+    assert seeds["marble_every_step"] == {0, 1, 2}
     assert seeds["marble_rho0.1"] == seeds["marble_smoothed"] == {0, 1}  # ablations: 2
     assert seeds["base"] == {0}
     assert not any(key.startswith(("flow_grpo", "sdpo")) for key in seeds)  # their own mode
