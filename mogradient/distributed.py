@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mogradient.gradients import combinable_gradients, objective_gradients, write_gradient
 from mogradient.harmonizers.base import Harmonization, Harmonizer, combine
 from mogradient.objectives import CombinableLoss
+from mogradient.row_gradients import RowGradients
 
 LossFunction = Callable[[], "torch.Tensor | Sequence[torch.Tensor] | CombinableLoss"]
 
@@ -28,13 +29,25 @@ def ddp_objective_gradients(
     compute_losses: LossFunction,
     parameters: Sequence[torch.Tensor],
     method: str = "sequential",
+    rows: RowGradients | None = None,
 ) -> torch.Tensor:
-    """Rank-averaged K x D gradients; ``compute_losses`` runs the forward under ``no_sync``."""
+    """Rank-averaged K x D gradients; ``compute_losses`` runs the forward under ``no_sync``.
+
+    With ``rows`` (a :class:`~mogradient.row_gradients.RowGradients` over ``model.module``)
+    the forward is recorded and a CombinableLoss that declares its rows gets its local
+    stack from one backward pass per row value; the all-reduce is the same.
+    """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
     with model.no_sync():
-        losses = compute_losses()
-        if isinstance(losses, CombinableLoss):
+        if rows is None:
+            losses = compute_losses()
+        else:
+            with rows.recording():
+                losses = compute_losses()
+        if rows is not None and isinstance(losses, CombinableLoss) and rows.supports(losses):
+            stack = rows.stack(losses)
+        elif isinstance(losses, CombinableLoss):
             stack = combinable_gradients(losses, parameters, method=method)
         else:
             stack = objective_gradients(losses, parameters, method=method)

@@ -11,8 +11,10 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mogradient import MGDA, objective_gradients
+from mogradient import MGDA, CombinableLoss, combinable_gradients, objective_gradients
 from mogradient.distributed import apply_harmonized, apply_weights, ddp_objective_gradients
+from mogradient.objectives import RowValues
+from mogradient.row_gradients import RowGradients
 
 WORLD_SIZE = 2
 
@@ -43,6 +45,20 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
     dist.all_gather(gathered, local)
     reference = MGDA()(torch.stack(gathered).mean(dim=0))
 
+    # The per-row engine through DDP: local stacks from one backward per row value, the
+    # same single all-reduce; against the gathered local K-backward stacks.
+    def combinable(network: nn.Module) -> CombinableLoss:
+        terms = network(inputs).T.pow(2)  # (3 terms, 6 rows), term column b is row b
+        coefficients = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(7))
+        return CombinableLoss(terms, coefficients, rows=RowValues(terms))
+
+    engine = RowGradients(model.module, parameters)
+    row_stack = ddp_objective_gradients(model, lambda: combinable(model), parameters, rows=engine)
+    local_rows = combinable_gradients(combinable(plain), list(plain.parameters()))
+    gathered_rows = [torch.zeros_like(local_rows) for _ in range(WORLD_SIZE)]
+    dist.all_gather(gathered_rows, local_rows)
+    row_reference = torch.stack(gathered_rows).mean(dim=0)
+
     # A later ordinary synced backward (an amortized step) must still work under DDP.
     model.zero_grad()
     sum(
@@ -56,6 +72,8 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
             "applied": applied,
             "reference": reference.direction,
             "synced": synced,
+            "row_stack": row_stack,
+            "row_reference": row_reference,
         },
         Path(out_dir) / f"rank{rank}.pt",
     )
@@ -72,6 +90,10 @@ def test_two_process_gloo(tmp_path: Path) -> None:
     for result in results:
         torch.testing.assert_close(result["applied"], result["reference"], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(results[0]["synced"], results[1]["synced"])
+    for result in results:  # float32 sums in two orders over 6 rows x 2 ranks
+        torch.testing.assert_close(
+            result["row_stack"], result["row_reference"], rtol=1e-5, atol=1e-7
+        )
     assert not torch.equal(results[0]["applied"], torch.zeros_like(results[0]["applied"]))
 
 
