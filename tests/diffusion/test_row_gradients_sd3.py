@@ -26,6 +26,8 @@ from mogradient_diffusion.trainer import Trainer
 K = 5
 OBJECTIVES = {
     "nft": ["objective.kl_coefficient=0.01"],
+    # diffusers recomputes each block's forward in every backward pass: captured once
+    "nft_checkpointed": ["objective.kl_coefficient=0.01", "model.gradient_checkpointing=true"],
     "flow_grpo": [
         "objective.name=flow_grpo",
         "rollout.sampler=sde",
