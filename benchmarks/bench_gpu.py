@@ -58,7 +58,9 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from bench_trainer import LABELS, PAPER, STRATEGIES, THREADS, _compact, source_state
+from bench_trainer import LABELS as STRATEGY_LABELS
+from bench_trainer import PAPER, THREADS, _compact, source_state
+from bench_trainer import STRATEGIES as STRATEGY_OVERRIDES
 from common import machine_info, markdown_table
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
@@ -73,8 +75,20 @@ from mogradient_diffusion.policy import PromptEmbeddings
 from mogradient_diffusion.rewards import Reward, register_reward
 from mogradient_diffusion.rewards.base import Metadata
 from mogradient_diffusion.rollout import rollout, sampler_sigmas
+from mogradient_diffusion.step_gradients import StepGradients
 from mogradient_diffusion.strategies import Strategy, build_strategy
 from mogradient_diffusion.trainer import Trainer
+
+# The compared rows: each a strategy of bench_trainer's and the engine of its per-objective
+# gradients (auto: the per-row engine; batched: K backward passes, as before it).
+ROWS = {name: (name, "auto") for name in STRATEGY_OVERRIDES} | {
+    f"{name}_k_backward": (name, "batched") for name in ("marble_amortized", "marble_every_step")
+}
+STRATEGIES = {name: STRATEGY_OVERRIDES[strategy] for name, (strategy, _) in ROWS.items()}
+LABELS = STRATEGY_LABELS | {
+    f"{name}_k_backward": f"{STRATEGY_LABELS[name]}, K backward passes"
+    for name in ("marble_amortized", "marble_every_step")
+}
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "configs" / "sd35m_marble_5r.yaml"
@@ -552,10 +566,15 @@ class StepTimer:
         return record
 
 
-def run_epoch(trainer: Trainer, timer: StepTimer, strategy: Strategy) -> dict[str, Any]:
-    """One real ``train_epoch`` under ``strategy``: epoch, rollout and per-step times, memory."""
+def run_epoch(
+    trainer: Trainer, timer: StepTimer, strategy: Strategy, gradients: StepGradients | None = None
+) -> dict[str, Any]:
+    """One real ``train_epoch`` under ``strategy`` (and ``gradients``' engine): epoch,
+    rollout and per-step times, memory."""
     device = trainer.world.device
     trainer.strategy = strategy
+    if gradients is not None:
+        trainer.gradients = gradients
     timer.steps = []
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -590,6 +609,15 @@ def measure_training(
             mode = f"checkpointing_{'on' if checkpointing else 'off'}"
             set_checkpointing(trainer, checkpointing)
             strategies = make_strategies(args, shape, run_dir, trainer, 1)
+            engines = {
+                engine: StepGradients(
+                    trainer.policy.transformer,
+                    trainer.parameters,
+                    engine,
+                    compute_dtype=getattr(torch, args.dtype),
+                )
+                for engine in ("auto", "batched")
+            }
             failed: dict[str, str] = {}
             epochs[mode] = []
             for round_index in range(1 + args.rounds):  # round 0: warm-up, not summarized
@@ -600,7 +628,8 @@ def measure_training(
                     if name in failed:
                         continue
                     try:
-                        epoch = run_epoch(trainer, timer, strategies[name])
+                        gradients = engines[ROWS[name][1]]
+                        epoch = run_epoch(trainer, timer, strategies[name], gradients)
                     except torch.OutOfMemoryError as error:
                         failed[name] = f"out of memory: {str(error).splitlines()[0]}"
                         trainer.optimizer.zero_grad(set_to_none=True)

@@ -411,30 +411,43 @@ def _add_contraction(
         stack[:, start:end].addmm_(coefficients, d.sum(dim=1))
 
 
+# Elements of one temporary of the per-sample Gram (1 MiB in float32): per-row gradients
+# are formed a block of output features at a time, factored products a block of rows.
+_GRAM_BLOCK = 1 << 18
+
+
 def _row_gram(x: torch.Tensor | None, d: torch.Tensor, bias: bool) -> torch.Tensor:
     """The R x R Gram (float64) of one call's per-row gradients, from (R, positions,
     width) views of its inputs ``x`` (None: weight frozen) and output gradients ``d``.
 
     Weight: per-row gradients formed and multiplied, or, when cheaper (few positions per
     row, as in an MLP), the factored form <d_r^T x_r, d_s^T x_s> =
-    sum_{t,u} (d_rt . d_su)(x_rt . x_su) without forming them. Products in the inputs'
-    dtype (float32 in training), sums of the R x R entries in float64.
+    sum_{t,u} (d_rt . d_su)(x_rt . x_su) without forming them; in blocks of at most
+    ``_GRAM_BLOCK`` elements, products in the gradients' dtype, the R x R sums in float64.
     """
     rows = d.shape[0]
     gram = torch.zeros(rows, rows, dtype=torch.float64, device=d.device)
     if x is not None:
+        x = x.to(d.dtype)
         positions, d_out, d_in = x.shape[1], d.shape[-1], x.shape[-1]
         flat = rows * positions
         if flat * flat * (d_in + d_out) < flat * d_in * d_out + rows * rows * d_in * d_out:
-            d_flat, x_flat = d.reshape(flat, d_out), x.to(d.dtype).reshape(flat, d_in)
-            products = (d_flat @ d_flat.T) * (x_flat @ x_flat.T)
-            gram += products.reshape(rows, positions, rows, positions).double().sum(dim=(1, 3))
+            d_flat, x_flat = d.reshape(flat, d_out), x.reshape(flat, d_in)
+            step = max(1, _GRAM_BLOCK // (positions * flat))
+            for start in range(0, rows, step):
+                block = slice(start * positions, min(rows, start + step) * positions)
+                products = (d_flat[block] @ d_flat.T) * (x_flat[block] @ x_flat.T)
+                summed = products.reshape(-1, positions, rows, positions).sum(dim=(1, 3))
+                gram[start : start + step] += summed.double()
         else:
-            per_row = _per_row_gradient(x, d, bias=False).double()
-            gram += per_row @ per_row.T
+            step = max(1, _GRAM_BLOCK // (rows * d_in))
+            for start in range(0, d_out, step):
+                part = torch.bmm(d[:, :, start : start + step].transpose(1, 2), x)
+                part = part.reshape(rows, -1)
+                gram += (part @ part.T).double()
     if bias:
-        summed = d.sum(dim=1).double()
-        gram += summed @ summed.T
+        summed = d.sum(dim=1)
+        gram += (summed @ summed.T).double()
     return gram
 
 
