@@ -340,8 +340,16 @@ def _with_process_record(result: RunResult) -> RunResult:
     return result
 
 
-def run_benchmark(mode: str, out: Path, work: Path, workers: int, model: Path = BASE_MODEL) -> Path:
-    """Every run of ``mode``, then the tables and plots in ``out``; returns ``out``."""
+def run_benchmark(
+    mode: str,
+    out: Path,
+    work: Path,
+    workers: int,
+    model: Path = BASE_MODEL,
+    only: tuple[str, ...] = (),
+) -> Path:
+    """Every run of ``mode`` (or of its methods ``only``), then the tables and plots in
+    ``out``; returns ``out``."""
     from mogradient_diffusion.mini.report import write_report
 
     budget = MODES[mode]
@@ -352,6 +360,11 @@ def run_benchmark(mode: str, out: Path, work: Path, workers: int, model: Path = 
         )
     prompts = write_prompt_files(work / "prompts")
     jobs = jobs_of(budget)
+    if only:
+        unknown = sorted(set(only) - {method.key for method, _ in jobs})
+        if unknown:
+            raise ValueError(f"--only names no method of mode {mode!r}: {', '.join(unknown)}")
+        jobs = [(method, seed) for method, seed in jobs if method.key in only]
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(run_one, m, s, budget, work, prompts, model) for m, s in jobs]
@@ -382,6 +395,11 @@ def main(argv: list[str] | None = None) -> int:
         "--report-only", action="store_true", help="rebuild the report from the finished runs"
     )
     parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated method keys: run and report only these rows of --mode",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="keep the finished runs in --work and do only what is missing",
@@ -398,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     if work.exists() and not args.resume:
         shutil.rmtree(work)
     try:
-        out = run_benchmark(args.mode, args.out, work, args.workers, args.model)
-    except (FileNotFoundError, RuntimeError) as error:
+        only = tuple(key for key in args.only.split(",") if key)
+        out = run_benchmark(args.mode, args.out, work, args.workers, args.model, only)
+    except (FileNotFoundError, RuntimeError, ValueError) as error:
         print(f"mini benchmark: {error}", file=sys.stderr)
         return 2
     print(f"results: {out / 'table.md'}, {out / 'conflict.md'}, plots in {out}")

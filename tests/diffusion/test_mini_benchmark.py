@@ -280,3 +280,20 @@ def test_resumed_head_to_head_redoes_no_finished_work(tmp_path, monkeypatch):
     assert calls == ["eval"]
     benchmark.run_one(method, 2, MODES["test"], tmp_path, tmp_path, tmp_path)  # nothing yet
     assert calls == ["eval", "train", "eval"]
+
+
+def test_only_runs_the_named_rows_and_refuses_unknown_ones(tmp_path, monkeypatch):
+    """--only: the named methods' (method, seed) jobs and no other; a typo is one line."""
+    ran = []
+
+    def run(method, seed, budget, work, prompts, model):
+        ran.append((method.key, seed))
+        raise StopIteration  # the job list is all this test needs
+
+    monkeypatch.setattr(benchmark, "run_one", run)
+    with pytest.raises(StopIteration):
+        benchmark.run_benchmark(
+            "full", tmp_path / "out", tmp_path / "work", 1, only=("marble_every_step",)
+        )
+    assert sorted(ran) == [("marble_every_step", seed) for seed in (0, 1, 2)]
+    assert main(["--mode", "full", "--out", str(tmp_path), "--only", "marble_evry_step"]) == 2
