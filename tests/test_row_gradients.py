@@ -381,3 +381,24 @@ def test_bf16_autocast_within_bfloat16_rounding() -> None:
     # The reference differentiates bf16 matmuls too; both are within bf16 rounding of
     # the float32 truth, so of each other.
     check_close(stack, _reference(loss, params), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("make_loss", "passes"), [(_nft_like, 2), (_ratio_like, 1), (_pair_like, 1)]
+)
+def test_one_backward_pass_per_row_value(make_loss, passes: int) -> None:
+    """K = 5 objectives cost V passes: NFT's two terms, one log-probability per row."""
+    model = _net()
+    engine = RowGradients(model, _params(model))
+    calls = []
+    original = engine._pass
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    engine._pass = counting
+    with engine.recording():
+        loss = make_loss(model(_inputs()))
+    engine.stack(loss)
+    assert loss.num_objectives == K and len(calls) == passes

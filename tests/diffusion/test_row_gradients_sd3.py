@@ -20,8 +20,10 @@ from mogradient.gradients import accumulate_gradients, flat_gradient
 from mogradient.row_gradients import RowGradients
 from mogradient_diffusion.config import load_config
 from mogradient_diffusion.distributed import World
-from mogradient_diffusion.objectives import RolloutRequest, StepMetrics, TrainPiece
+from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.trainer import Trainer
+
+from .rollouts import first_rollout
 
 K = 5
 OBJECTIVES = {
@@ -79,16 +81,7 @@ def _trainer_in_float64(
     torch.manual_seed(0)
     for parameter in trainer.parameters:  # default away from old: both NFT branches differ
         parameter.data.add_(0.05 * torch.randn_like(parameter))
-    drawn = trainer._epoch_prompts()
-    request = RolloutRequest(
-        prompts=[item.prompt for item in drawn],
-        metadata=[item.metadata for item in drawn],
-        settings=config.rollout,
-        timestep_fraction=config.train.timestep_fraction,
-        generator=torch.Generator().manual_seed(0),
-    )
-    batch = trainer.objective.rollout(trainer.policy, request, trainer._score)
-    return trainer, _in_float64(batch)
+    return trainer, _in_float64(first_rollout(trainer))
 
 
 def _in_float64(value):

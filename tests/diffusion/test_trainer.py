@@ -19,9 +19,11 @@ from mogradient.harmonizers.base import combine
 from mogradient_diffusion.cli import main
 from mogradient_diffusion.config import load_config
 from mogradient_diffusion.distributed import World
-from mogradient_diffusion.objectives import RolloutRequest, StepMetrics, TrainPiece
+from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.runlog import read_metrics
 from mogradient_diffusion.trainer import EpochData, Trainer
+
+from .rollouts import first_rollout
 
 FAST = ["run.quiet=true", "train.epochs=2"]
 
@@ -74,15 +76,7 @@ def _trainer_and_rollout(tmp_path: Path) -> tuple[Trainer, Any]:
     """A tiny-preset trainer and one rollout of 8 images (2 prompts x 4) to train on."""
     config = load_config(preset="tiny", overrides=[f"run.directory={tmp_path}", "run.quiet=true"])
     trainer = Trainer(config, World(rank=0, size=1, device=torch.device("cpu")))
-    drawn = trainer._epoch_prompts()
-    request = RolloutRequest(
-        prompts=[item.prompt for item in drawn],
-        metadata=[item.metadata for item in drawn],
-        settings=config.rollout,
-        timestep_fraction=config.train.timestep_fraction,
-        generator=torch.Generator().manual_seed(0),
-    )
-    batch = trainer.objective.rollout(trainer.policy, request, trainer._score)
+    batch = first_rollout(trainer)
     assert len(batch) == 8
     return trainer, batch
 
