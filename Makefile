@@ -52,6 +52,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_mgda_exactness.py
 	$(PY) benchmarks/bench_gradient_engines.py
+	$(PY) benchmarks/bench_instance_gram.py
+	# MARBLE's cost against the weighted sum with each gradient engine (~20 min, one thread)
+	$(PY) benchmarks/bench_engine_cost.py
 
 # SD3.5-M-shaped training on one GPU (H100/H200): rollout, training, MFU, MARBLE's overhead.
 # Writes benchmarks/results/gpu/gpu_<device>.{json,md}; on a CPU it is a smoke run only.

@@ -16,7 +16,9 @@ Time: forward + Gram, medians over interleaved rounds (forward + one ordinary ba
 for scale). Exactness: the largest entry difference from the Gram of the full per-sample
 Jacobian (``torch.func``, float64), relative to the largest entry. Memory: each method in
 its own process: the resident-set high-water mark during 5 calls above the resident set
-before them (``/proc/self/status`` VmHWM, reset through ``/proc/self/clear_refs``).
+before them (``/proc/self/status`` VmHWM, reset through ``/proc/self/clear_refs``), with
+glibc told to map blocks of 64 KiB and more and return them on free, so that the mark
+follows live memory rather than what the allocator keeps.
 
 Run: ``python benchmarks/bench_instance_gram.py [--quick] [--out DIR]``; ``--quick`` (one
 batch size, few rounds) prints and writes nothing unless ``--out`` is given.
@@ -193,7 +195,15 @@ def child(model_name: str, batch: int, method: str) -> int:
 
 def peak_growth_mib(model_name: str, batch: int, method: str) -> float:
     command = [sys.executable, __file__, "--child", model_name, str(batch), method]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # glibc: blocks of 64 KiB and more are mmap'ed and returned on free, one arena, so the
+    # high-water mark follows what is alive rather than what the allocator keeps.
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "MALLOC_TRIM_THRESHOLD_": "0",
+        "MALLOC_ARENA_MAX": "1",
+    }
     output = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(output.stdout.strip().splitlines()[-1])["peak_growth_kib"] / 1024
 
@@ -208,7 +218,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "entry difference from the float64 Gram of the full per-sample Jacobian, relative "
         "to its largest entry (the methods compute in float32). Memory: resident-set "
         "high-water mark above the resident set before the calls, each method in its own "
-        "process (MiB granularity; glibc's allocator keeps freed pages).",
+        "process (glibc maps blocks of 64 KiB and more and returns them on free).",
         "",
     ]
     header = [
