@@ -560,6 +560,7 @@ class StepTimer:
                 "seconds": seconds,
                 "solved": int(record["solved"]),
                 "fallback": record["fallback"],
+                "engine": record.get("engine"),  # solve steps: rows or batched
                 "sample_timesteps": sum(len(p) * p.data.timesteps for p in step),
             }
         )
@@ -664,6 +665,7 @@ def summarize_training(
             "epochs": len(measured),
             "optimizer_steps": len(steps),
             "solved_steps": len(solved),
+            "engines": sorted({step["engine"] for step in steps if step["engine"]}),
             "fallbacks": sum(1 for step in steps if step["fallback"]),
             "sample_timesteps_per_step": sample_timesteps / len(steps),
             "s_per_optimizer_step": train_s / len(steps),

@@ -14,7 +14,14 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gpu.py"
-STRATEGIES = ("weighted_sum", "marble_amortized", "marble_every_step")
+# Every MARBLE row twice: with the per-row engine and with K backward passes.
+STRATEGIES = (
+    "weighted_sum",
+    "marble_amortized",
+    "marble_every_step",
+    "marble_amortized_k_backward",
+    "marble_every_step_k_backward",
+)
 MODES = ("checkpointing_off", "checkpointing_on")
 
 
@@ -63,12 +70,12 @@ def test_small_shape_cpu_smoke_run_writes_the_full_schema(tmp_path: Path) -> Non
             assert 0 < item["training_mfu"] < 1
         # The real code paths ran: one combined backward vs K per-reward gradients.
         assert summary["weighted_sum"]["solved_steps"] == 0
-        assert (
-            summary["marble_every_step"]["solved_steps"]
-            == (summary["marble_every_step"]["optimizer_steps"])
-        )
+        for every_step in ("marble_every_step", "marble_every_step_k_backward"):
+            assert summary[every_step]["solved_steps"] == summary[every_step]["optimizer_steps"]
+        assert summary["marble_every_step"]["engines"] == ["rows"]
+        assert summary["marble_every_step_k_backward"]["engines"] == ["batched"]
         ratios = payload["training"][mode]["ratios"]
-        assert set(ratios) == {"marble_amortized", "marble_every_step"}
+        assert set(ratios) == set(STRATEGIES) - {"weighted_sum"}
         assert all(v > 0 for r in ratios.values() for v in r.values())
 
     ddp = payload["ddp"]
