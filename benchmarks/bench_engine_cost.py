@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import machine_info, machine_markdown, markdown_table, write_results
+from common import machine_info, machine_markdown, markdown_table, publish
 
 NAME = "engine_cost"
 ROOT = Path(__file__).resolve().parents[1]
@@ -297,11 +297,7 @@ def main() -> int:
         "targets": {f"{o}/{s}": t for (o, s), t in TARGETS.items()},
         "rows": summarize(runs, rows),
     }
-    markdown = render_markdown(payload)
-    print(markdown)
-    if args.out is not None or not args.quick:
-        paths = write_results(NAME, payload, markdown, args.out)
-        print(f"wrote {paths[0]} and {paths[1]}")
+    publish(NAME, payload, render_markdown(payload), args.out, args.quick)
     return 0
 
 

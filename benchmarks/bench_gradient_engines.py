@@ -261,6 +261,7 @@ max |sequential stack| (for the baseline: its gradient vs the sequential stack's
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="few repeats, for a smoke run")
+    parser.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -299,9 +300,10 @@ def main() -> None:
         "engines": results,
         "total_seconds": time.perf_counter() - started,
     }
-    json_path, md_path = write_results(NAME, payload, markdown_report(payload))
     print("\n" + results_table(payload))
-    print(f"\nwrote {json_path} and {md_path} ({payload['total_seconds']:.0f} s)")
+    if args.out is not None or not args.quick:  # a smoke run never replaces results
+        json_path, md_path = write_results(NAME, payload, markdown_report(payload), args.out)
+        print(f"\nwrote {json_path} and {md_path} ({payload['total_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import machine_info, machine_markdown, markdown_table, write_results
+from common import machine_info, machine_markdown, markdown_table, publish
 from torch import nn
 
 from mogradient.objectives import CombinableLoss
@@ -276,11 +276,7 @@ def main() -> int:
     info = machine_info()
     info["torch_threads"] = 1
     payload = {"benchmark": NAME, "machine": info, "rounds": rounds, "cases": cases}
-    markdown = render_markdown(payload)
-    print(markdown)
-    if args.out is not None or not args.quick:
-        paths = write_results(NAME, payload, markdown, args.out)
-        print(f"wrote {paths[0]} and {paths[1]}")
+    publish(NAME, payload, render_markdown(payload), args.out, args.quick)
     return 0
 
 

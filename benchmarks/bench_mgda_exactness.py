@@ -21,6 +21,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -909,6 +910,7 @@ def _repeats(num_objectives: int, dim: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="small subset for a smoke run")
+    parser.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
     parser.add_argument(
         "--threads", type=int, help="torch intra-op threads (results get a _threadsN suffix)"
     )
@@ -934,11 +936,12 @@ def main() -> None:
         "stress": stress,
         "total_seconds": time.perf_counter() - started,
     }
-    json_path, md_path = write_results(name, payload, markdown_report(payload))
     print("\nSpeed\n" + speed_headline(results) + "\n" + speed_table(results))
     print("\nMGDA\n" + mgda_table(results) + "\n\nUPGrad\n" + upgrad_table(results))
     print("\nStress stacks\n" + stress_headline(stress) + "\n" + stress_table(stress))
-    print(f"\nwrote {json_path} and {md_path} ({payload['total_seconds']:.0f} s)")
+    if args.out is not None or not args.quick:  # a smoke run never replaces results
+        json_path, md_path = write_results(name, payload, markdown_report(payload), args.out)
+        print(f"\nwrote {json_path} and {md_path} ({payload['total_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

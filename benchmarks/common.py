@@ -108,6 +108,17 @@ def write_results(
     return json_path, md_path
 
 
+def publish(
+    name: str, payload: dict[str, Any], markdown: str, out: Path | None, quick: bool
+) -> None:
+    """Print the markdown; write the results (to ``out``, else benchmarks/results) unless
+    this is a ``--quick`` smoke run without ``--out``: a smoke run never replaces results."""
+    print(markdown)
+    if out is not None or not quick:
+        json_path, md_path = write_results(name, payload, markdown, out)
+        print(f"wrote {json_path} and {md_path}")
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -4,9 +4,8 @@ bench_trainer.py did: its wrapper pinned an old ``Trainer.optimizer_step_on`` si
 crashed on the first step. bench_gpu.py (tests/test_bench_gpu.py, ``--shape small``) and
 benchmarks/mtl (tests/test_mtl_benchmark.py) have their own smoke runs.
 
-bench_gradient_engines.py and bench_mgda_exactness.py write their results next to
-themselves (``benchmarks/results/``, even with ``--quick``), so they run from a copy under
-``tmp_path``: a test never overwrites the committed results.
+A ``--quick`` run writes results only where ``--out`` says (here ``tmp_path``): a smoke
+run never replaces the committed results.
 """
 
 from __future__ import annotations
@@ -25,19 +24,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
-
-
-def _copy_scripts(tmp_path: Path) -> Path:
-    """The top-level benchmark modules (scripts and common.py), copied to ``tmp_path``.
-
-    Why: common.write_results writes beside the script, so the copy's results/ is a
-    temporary folder; the copied code is the checkout's, byte for byte.
-    """
-    target = tmp_path / "benchmarks"
-    target.mkdir()
-    for source in BENCHMARKS.glob("*.py"):
-        shutil.copy2(source, target / source.name)
-    return target
 
 
 def _run_quick(script: Path, *options: str) -> subprocess.CompletedProcess[str]:
@@ -89,9 +75,8 @@ def test_trainer_benchmark_quick_times_every_strategy_and_writes_nothing() -> No
 @pytest.mark.slow
 def test_gradient_engines_quick_writes_every_engine(tmp_path: Path) -> None:
     """Every engine timed, measured for memory in its own process, and agreeing."""
-    scripts = _copy_scripts(tmp_path)
-    result = _run_quick(scripts / "bench_gradient_engines.py")
-    payload = _load(scripts / "results", "gradient_engines")
+    result = _run_quick(BENCHMARKS / "bench_gradient_engines.py", "--out", str(tmp_path))
+    payload = _load(tmp_path, "gradient_engines")
 
     assert payload["mode"] == "quick" and payload["repeats"] == 3
     engines = payload["engines"]
@@ -107,9 +92,8 @@ def test_gradient_engines_quick_writes_every_engine(tmp_path: Path) -> None:
 def test_mgda_exactness_quick_writes_cases_and_stress(tmp_path: Path) -> None:
     """The two quick cases and the stress stacks, with all three printed tables."""
     pytest.importorskip("torchjd", reason="the benchmark compares against TorchJD")
-    scripts = _copy_scripts(tmp_path)
-    result = _run_quick(scripts / "bench_mgda_exactness.py")
-    payload = _load(scripts / "results", "mgda_exactness")
+    result = _run_quick(BENCHMARKS / "bench_mgda_exactness.py", "--out", str(tmp_path))
+    payload = _load(tmp_path, "mgda_exactness")
 
     assert payload["mode"] == "quick"
     cases = [(case["num_objectives"], case["dim"]) for case in payload["cases"]]
