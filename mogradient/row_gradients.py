@@ -120,7 +120,8 @@ class RowGradients:
     def hooked(self) -> Iterator[None]:
         """Forward hooks on the trainable Linears for the block (nothing recorded yet)."""
         handles = [
-            module.register_forward_hook(self._hook(slots)) for module, slots in self._modules
+            module.register_forward_hook(self._hook(slots), with_kwargs=True)
+            for module, slots in self._modules
         ]
         try:
             yield
@@ -147,12 +148,13 @@ class RowGradients:
         self._recording = True
 
     def _hook(self, slots: _Slots):
-        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
             if not self._recording or not isinstance(output, torch.Tensor):
                 return
             if not torch.is_grad_enabled() or not output.requires_grad:
                 return  # a no-grad call (a rollout, a frozen adapter's pass)
-            self._captures.append(_Capture(slots, inputs[0], output, output._version))
+            inputs = args[0] if args else kwargs["input"]
+            self._captures.append(_Capture(slots, inputs, output, output._version))
 
         return hook
 

@@ -277,9 +277,9 @@ def test_planted_bug_call_captured_twice_breaks_agreement(
     def twice(self, slots):
         hook = original(self, slots)
 
-        def doubled(module, inputs, output):
-            hook(module, inputs, output)
-            hook(module, inputs, output)
+        def doubled(module, args, kwargs, output):
+            hook(module, args, kwargs, output)
+            hook(module, args, kwargs, output)
 
         return doubled
 
@@ -402,3 +402,22 @@ def test_one_backward_pass_per_row_value(make_loss, passes: int) -> None:
         loss = make_loss(model(_inputs()))
     engine.stack(loss)
     assert loss.num_objectives == K and len(calls) == passes
+
+
+def test_a_linear_called_by_keyword_is_recorded() -> None:
+    class Keyword(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(input=x)
+
+    torch.manual_seed(0)
+    model = Keyword().double()
+    params = _params(model)
+    engine = RowGradients(model, params)
+    with engine.recording():
+        loss = _nft_like(model(_inputs()))
+    reference = _reference(loss, params)
+    _assert_exact(engine.stack(loss), reference)
