@@ -57,20 +57,22 @@ class StepGradients:
 
     def check(
         self, stack: torch.Tensor, replay: Callable[[], LossStream], count: int
-    ) -> str | None:
+    ) -> tuple[str | None, torch.Tensor]:
         """Compare ``stack`` with the K-backward engine on ``replay()``, the same step.
 
-        Returns None when they agree (or there is nothing to check); otherwise the reason,
-        after switching to the K-backward engine for good. Call it with this rank's stack,
-        before averaging over ranks.
+        Returns the reason they disagree (None when they agree) and the K-backward stack.
+        Call it once, with this rank's stack, before averaging over ranks; after it the
+        engine counts as checked (``use_k_backward`` switches it off for good).
         """
-        if self.checked:
-            return None
         self.checked = True
         reference = accumulate_gradients(replay(), self.parameters, count=count, apply_extra=False)
+        reference = reference.to(stack.dtype)
         try:
-            check_close(stack, reference.to(stack.dtype), self.compute_dtype)
+            check_close(stack, reference, self.compute_dtype)
         except RowGradientError as error:
-            self.rows = None
-            return str(error)
-        return None
+            return str(error), reference
+        return None, reference
+
+    def use_k_backward(self) -> None:
+        """Give up the per-row engine for the rest of the run."""
+        self.rows = None

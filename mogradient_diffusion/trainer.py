@@ -385,12 +385,11 @@ class Trainer:
         if self.gradients.checked:
             return
         engine = self.gradients.name
-        reason = self.gradients.check(stack, replay, count)
+        reason, reference = self.gradients.check(stack, replay, count)
         failed = torch.tensor([0.0 if reason is None else 1.0], device=self.world.device)
         if float(self.world.average(failed)) > 0:
-            self.gradients.rows = None
-            reference = self.gradients.stack(replay(), count, apply_extra=False)
-            stack.copy_(reference.to(stack.dtype))
+            self.gradients.use_k_backward()
+            stack.copy_(reference)
             self._warn(
                 f"the {engine} gradient engine disagreed with K backward passes on this "
                 f"model ({reason or 'on another rank'}); training goes on with the "

@@ -460,3 +460,24 @@ def test_gradient_engines_train_the_same_run(tmp_path: Path) -> None:
                 assert ours[key] == (
                     None if theirs[key] is None else pytest.approx(theirs[key], rel=1e-4)
                 )
+
+
+@pytest.mark.slow
+def test_an_engine_that_disagrees_is_replaced_by_k_backward_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A model the per-row engine gets wrong (here: its check made to fail) trains on with
+    K backward passes from that very step, with a warning, never with the wrong stack."""
+    from mogradient.row_gradients import RowGradientError
+    from mogradient_diffusion import step_gradients
+
+    def disagree(*args, **kwargs):
+        raise RowGradientError("planted disagreement")
+
+    monkeypatch.setattr(step_gradients, "check_close", disagree)
+    run = tmp_path / "run"
+    overrides = [f"run.directory={run}", "run.quiet=true", "train.epochs=1", "strategy.period=1"]
+    assert main(["train", "--preset", "tiny", *overrides]) == 0
+    assert "planted disagreement" in capsys.readouterr().err
+    steps = [s for r in read_metrics(run) for s in r["optimizer_steps"] if s["solved"]]
+    assert steps and all(step["engine"] == "batched" for step in steps)
