@@ -124,6 +124,7 @@ def accumulate_gradients(
     weights: torch.Tensor | None = None,
     count: int | None = None,
     apply_extra: bool = True,
+    piece_stack: Callable[[CombinableLoss, bool], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Sum ``scale * gradient`` over a stream of (scale, CombinableLoss) pieces.
 
@@ -134,16 +135,23 @@ def accumulate_gradients(
     non-harmonized ``extra`` terms go to ``.grad`` (left out with ``apply_extra=False``,
     for measurements that must leave ``.grad`` alone). Both are exact for the same
     weights: ``.grad + combine(stack, w)`` equals the weighted path's ``.grad``. An empty
-    stream gives a zero stack of ``count`` rows.
+    stream gives a zero stack of ``count`` rows. ``piece_stack(loss, retain_graph)`` gives
+    a piece's stack (default: the K-backward :func:`combinable_gradients`; the per-row
+    engine passes its own).
     """
     parameters = list(parameters)
+    if piece_stack is None:
+
+        def piece_stack(loss: CombinableLoss, retain_graph: bool) -> torch.Tensor:
+            return combinable_gradients(loss, parameters, retain_graph=retain_graph)
+
     stack = None
     for scale, loss in losses:
         if weights is not None:
             (loss.combined(weights) * scale).backward()
             continue
         extra = loss.extra if apply_extra else None
-        part = combinable_gradients(loss, parameters, retain_graph=extra is not None)
+        part = piece_stack(loss, extra is not None)
         stack = part * scale if stack is None else stack.add_(part, alpha=scale)
         if extra is not None:
             (extra * scale).backward()

@@ -21,9 +21,10 @@ adapter switching do not survive; TorchJD's ``autogram.Engine`` computes only th
 of per-instance losses (one extra backward and a re-forward of each hooked module) and
 not the stack the update needs. None contracts per-row gradients with per-objective
 coefficients as they are computed. What is captured here is the input and output of
-each call of a trainable Linear while a forward is recorded: the passes then ask
-autograd for the gradients at those outputs only (no parameter gradients are formed),
-so recomputed forwards under gradient checkpointing are never captured twice.
+each call of a trainable Linear while a forward is recorded; each pass hands every
+call's output gradient to the contraction as autograd produces it (a tensor hook), so
+no pass holds them all at once, and forwards recomputed under gradient checkpointing,
+which run outside the recording, are never captured twice.
 
 Exactness is the caller's claim that rows do not interact and that every trainable
 parameter is reached only through the hooked calls; :func:`RowGradients.accumulate`
@@ -43,7 +44,7 @@ import torch
 from torch import nn
 
 from mogradient.errors import UnusedParameterError
-from mogradient.gradients import combinable_gradients
+from mogradient.gradients import accumulate_gradients, combinable_gradients
 from mogradient.objectives import CombinableLoss
 
 
@@ -160,18 +161,18 @@ class RowGradients:
 
     def _recorded(
         self, losses: Iterable[tuple[float, CombinableLoss]]
-    ) -> Iterator[tuple[float, CombinableLoss, list[_Capture]]]:
-        """The stream's pieces, each with the calls its forward made."""
+    ) -> Iterator[tuple[float, CombinableLoss]]:
+        """The stream's pieces, each forward recorded; its calls wait for :meth:`_take`."""
         iterator = iter(losses)
         while True:
             self._start()
             try:
-                scale, loss = next(iterator)
+                piece = next(iterator)
             except StopIteration:
                 return
             finally:
                 self._recording = False
-            yield scale, loss, self._take()
+            yield piece
 
     def _take(self) -> list[_Capture]:
         captures, self._captures = self._captures, []
@@ -240,28 +241,28 @@ class RowGradients:
                 f"parameters outside an nn.Linear ({', '.join(self.unsupported[:3])}): use "
                 "mogradient.gradients.accumulate_gradients (the K-backward engine)"
             )
-        stack = None
+
+        def piece_stack(loss: CombinableLoss, retain_graph: bool) -> torch.Tensor:
+            captures = self._take()
+            reference = None
+            if verify:
+                reference = combinable_gradients(loss, self.parameters, retain_graph=True)
+            if loss.rows is None:
+                part = combinable_gradients(loss, self.parameters, retain_graph=retain_graph)
+            else:
+                part = self._stack(loss, captures, retain_graph)
+            if reference is not None:
+                check_close(part, reference, verify_dtype)
+            return part
+
         with self.hooked():
-            for scale, loss, captures in self._recorded(losses):
-                extra = loss.extra if apply_extra else None
-                keep = extra is not None and extra.requires_grad
-                reference = None
-                if verify:
-                    reference = combinable_gradients(loss, self.parameters, retain_graph=True)
-                if loss.rows is None:
-                    part = combinable_gradients(loss, self.parameters, retain_graph=keep)
-                else:
-                    part = self._stack(loss, captures, retain_graph=keep)
-                if reference is not None:
-                    check_close(part, reference, verify_dtype)
-                stack = part * scale if stack is None else stack.add_(part, alpha=scale)
-                if keep:
-                    (extra * scale).backward()
-        if stack is None:
-            if count is None:
-                raise ValueError("an empty stream of losses needs count (the number of objectives)")
-            stack = torch.zeros(count, self.size, device=self.parameters[0].device)
-        return stack
+            return accumulate_gradients(
+                self._recorded(losses),
+                self.parameters,
+                count=count,
+                apply_extra=apply_extra,
+                piece_stack=piece_stack,
+            )
 
     # ------------------------------------------------------------ internals
     def _row_coefficients(self, loss: CombinableLoss) -> tuple[torch.Tensor, torch.Tensor]:
