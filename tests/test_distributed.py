@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -28,6 +29,16 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD_SIZE
     )
+    _compute_and_save(rank, out_dir)
+    # Tear down in order: every rank done, the DDP reducer (which holds the group) gone with
+    # the helper's frame, then the group. Left to interpreter exit, gloo's threads can abort
+    # the process (SIGABRT, seen once in CI).
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _compute_and_save(rank: int, out_dir: str) -> None:
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)))
@@ -77,7 +88,6 @@ def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
         },
         Path(out_dir) / f"rank{rank}.pt",
     )
-    dist.destroy_process_group()
 
 
 def test_two_process_gloo(tmp_path: Path) -> None:
