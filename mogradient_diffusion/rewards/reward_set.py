@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -48,15 +49,24 @@ class RewardSet:
     def __call__(
         self, images: Tensor, prompts: Sequence[str], metadata: Metadata | None = None
     ) -> RewardScores:
-        """Score ``images`` [B, 3, H, W] in [0, 1] with every reward -> [B, K] float32."""
+        """Score ``images`` [B, 3, H, W] in [0, 1] with every reward -> [B, K] float32.
+
+        Each reward gets its own copy of the images, prompts and metadata: one that edits
+        its inputs in place must not change what the rewards after it score.
+        """
         columns, seconds = [], {}
         for reward in self.rewards:
             start = time.perf_counter()
+            inputs = (images.clone(), list(prompts), copy.deepcopy(metadata))
             try:
-                columns.append(reward(images, prompts, metadata))
+                columns.append(reward(*inputs))
             except RewardError:
                 raise
             except Exception as exc:
                 raise RewardError(f"reward {reward.name!r} failed: {exc}") from exc
+            except SystemExit as exc:  # a reward must not end training silently
+                raise RewardError(
+                    f"reward {reward.name!r} called sys.exit({exc.code!r}) while scoring"
+                ) from exc
             seconds[reward.name] = time.perf_counter() - start
         return RewardScores(torch.stack(columns, dim=1), seconds)

@@ -29,3 +29,28 @@ class Raising(Reward):
 
     def score(self, images, prompts, metadata):
         raise ConnectionError("scoring server unreachable")
+
+
+@register_reward
+class Vandal(Reward):
+    """Zeroes the images it is given and the metadata it reads: it must harm no other reward."""
+
+    name = "vandal"
+    value_range = (-math.inf, math.inf)
+
+    def score(self, images, prompts, metadata):
+        images.zero_()
+        for entry in metadata or []:
+            entry.clear()
+        return torch.zeros(len(prompts))
+
+
+@register_reward
+class Quitting(Reward):
+    """Calls ``sys.exit(0)`` while scoring, as a reward script written for the command line."""
+
+    name = "quitting"
+    value_range = (-math.inf, math.inf)
+
+    def score(self, images, prompts, metadata):
+        raise SystemExit(0)
