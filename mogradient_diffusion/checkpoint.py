@@ -6,7 +6,9 @@ fsynced, then renamed into place, so a crash at any point leaves either the comp
 checkpoint or none: ``latest_checkpoint`` only considers renamed directories with a
 manifest. The manifest records the state file's size and SHA-256, so a truncated or
 bit-flipped file is caught on load, and ``load_newest_intact`` falls back to the newest
-checkpoint that is whole. One process (rank 0) writes a run directory.
+checkpoint that is whole; a renamed directory whose manifest is damaged counts as a
+damaged checkpoint, so damage never looks like a run with nothing saved. One process
+(rank 0) writes a run directory.
 """
 
 from __future__ import annotations
@@ -122,20 +124,31 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) else None
 
 
-def _complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint, oldest first."""
+def _checkpoint_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step_N`` directory, oldest first, whatever its state.
+
+    Writes happen in temporaries renamed into place whole, so a ``step_N`` directory was
+    complete once: one without a readable manifest is damaged, never half-written.
+    """
     checkpoints = _checkpoints_dir(run_dir)
     if not checkpoints.is_dir():
         return []
     found = []
     for path in checkpoints.iterdir():
         match = _STEP_DIR.fullmatch(path.name)
-        if not match or not path.is_dir():
-            continue
-        manifest = _read_manifest(path)
-        if manifest is not None and manifest.get("step") == int(match.group(1)):
+        if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def _complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint whose manifest is readable and names its step."""
+    return [(step, path) for step, path in _checkpoint_dirs(run_dir) if _manifest_fits(path, step)]
+
+
+def _manifest_fits(path: Path, step: int) -> bool:
+    manifest = _read_manifest(path)
+    return manifest is not None and manifest.get("step") == step
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -152,11 +165,17 @@ def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> di
     trusted checkpoints holding other objects.
     """
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a checkpoint directory")
     manifest = _read_manifest(path)
-    if manifest is None:
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no readable manifest)")
+    match = _STEP_DIR.fullmatch(path.name)
+    if manifest is None or (match is not None and manifest.get("step") != int(match.group(1))):
+        raise CorruptCheckpointError(f"{path / MANIFEST_FILE} is missing or damaged")
     state_file = path / STATE_FILE
-    expected = manifest["files"][STATE_FILE]
+    try:
+        expected = int(manifest["files"][STATE_FILE])
+    except (KeyError, TypeError, ValueError) as error:
+        raise CorruptCheckpointError(f"{path / MANIFEST_FILE} is damaged: {error!r}") from None
     if not state_file.is_file() or state_file.stat().st_size != expected:
         raise CorruptCheckpointError(
             f"{state_file} is missing or truncated (manifest says {expected} bytes)"
@@ -190,9 +209,10 @@ def load_newest_intact(
 ) -> Restored | None:
     """The newest checkpoint that loads and passes ``check`` (which raises ValueError to
     reject a state); None when the run has no checkpoint. A damaged latest checkpoint
-    must not end a run that an older intact one can resume."""
+    must not end a run that an older intact one can resume, and damaged ones alone are an
+    error, never a fresh start (a damaged manifest included)."""
     passed_over = []
-    for _, path in reversed(_complete_checkpoints(run_dir)):
+    for _, path in reversed(_checkpoint_dirs(run_dir)):
         try:
             state = load_checkpoint(path, weights_only=weights_only)
             if check is not None:
@@ -203,7 +223,9 @@ def load_newest_intact(
         return Restored(path, state, passed_over)
     if passed_over:
         raise CorruptCheckpointError(
-            f"no intact checkpoint in {_checkpoints_dir(run_dir)}: " + "; ".join(passed_over)
+            f"no intact checkpoint in {_checkpoints_dir(run_dir)} ("
+            + "; ".join(passed_over)
+            + "); nothing was overwritten: repair or remove them, or use a new run.directory"
         )
     return None
 

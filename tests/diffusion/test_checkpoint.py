@@ -11,9 +11,11 @@ import torch
 
 from mogradient_diffusion import checkpoint
 from mogradient_diffusion.checkpoint import (
+    CorruptCheckpointError,
     keep_last,
     latest_checkpoint,
     load_checkpoint,
+    load_newest_intact,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -100,8 +102,12 @@ def test_leftovers_of_a_hard_crash_are_ignored_then_pruned(tmp_path: Path) -> No
     (checkpoints / "step_00000400").mkdir()
     (checkpoints / "step_00000400" / "manifest.json").write_text('{"step": 4')  # truncated
     assert latest_checkpoint(tmp_path) == previous
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(CorruptCheckpointError, match=r"manifest\.json is missing or damaged"):
         load_checkpoint(checkpoints / "step_00000300")
+    assert load_newest_intact(tmp_path).passed_over[:2] == [
+        f"{name}: {checkpoints / name / 'manifest.json'} is missing or damaged"
+        for name in ("step_00000400", "step_00000300")
+    ]
     assert keep_last(tmp_path, 1) == [leftover]
     assert not leftover.exists() and latest_checkpoint(tmp_path) == previous
 
