@@ -109,6 +109,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
                 replaced.rename(final)
             raise
         _fsync_dir(checkpoints)
+    except OSError as error:  # a full disk: name the checkpoint, not a bare handle
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise OSError(error.errno, error.strerror or str(error), str(final)) from error
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise

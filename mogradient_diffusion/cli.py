@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mogradient_diffusion.config import ConfigError, load_config
+from mogradient_diffusion.config import ConfigError, TrainingConfig, load_config, run_home
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,10 +237,12 @@ def _train(
     except ConfigError as error:
         print(f"mogradient-diffusion: configuration error: {error}", file=sys.stderr)
         return 2
+    if config_path is not None and run_home(config_path) == Path(config.run.directory):
+        _note_moved_run(config_path)
     from mogradient_diffusion.checkpoint import CorruptCheckpointError
     from mogradient_diffusion.rewards import RewardError
     from mogradient_diffusion.run_lock import RunLock, describe_holder
-    from mogradient_diffusion.trainer import NonFiniteError, Trainer
+    from mogradient_diffusion.trainer import NonFiniteError, RunComplete, Trainer
 
     world = World.from_environment(config.model.device)
     lock = RunLock(config.run.directory)
@@ -254,15 +256,52 @@ def _train(
     except (ConfigError, FileNotFoundError) as error:
         print(f"mogradient-diffusion: {error}", file=sys.stderr)
         return 2
+    except RunComplete as done:
+        print(f"mogradient-diffusion: {done}", file=sys.stderr)
+        return 0
     except (RewardError, NonFiniteError, CorruptCheckpointError) as error:
         print(f"mogradient-diffusion: training stopped: {error}", file=sys.stderr)
         return 1
+    except OSError as error:  # a full disk, a lost mount: say which file, and what is safe
+        where = f" ({error.filename})" if error.filename else ""
+        reason = error.strerror or str(error)
+        print(
+            f"mogradient-diffusion: training stopped: {reason}{where}; {_saved(config)}",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nmogradient-diffusion: interrupted; {_saved(config)}", file=sys.stderr)
+        return 130
     finally:
         lock.release()
         world.close()
     if world.is_main:
         print(f"run finished: {run_dir} (metrics.jsonl, tensorboard/, lora/, lora_ema/)")
     return 0
+
+
+def _note_moved_run(config_path: Path) -> None:
+    """Say so when a run's own config resumes it where it is now, not where it started."""
+    import yaml
+
+    recorded = (yaml.safe_load(config_path.read_text()).get("run") or {}).get("directory")
+    here = config_path.parent
+    if recorded is None or Path(recorded).resolve() != here.resolve():
+        print(
+            f"mogradient-diffusion: resuming the run in {here} ({config_path.name} records "
+            f"{recorded}, where it started)"
+        )
+
+
+def _saved(config: TrainingConfig) -> str:
+    """What an interrupted run keeps, and how to go on from it."""
+    from mogradient_diffusion.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(config.run.directory)
+    if latest is None:
+        return "no checkpoint was saved yet: the same command starts the run again"
+    return f"the last checkpoint, {latest}, is intact: the same command resumes from it"
 
 
 def _plot(run_dir: Path) -> int:

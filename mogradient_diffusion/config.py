@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import inspect
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -193,6 +194,8 @@ STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 HARMONIZER_OPTIONS = (*_AMORTIZED, "options")
 SAMPLERS = ("euler", "dpm2", "sde")
+RUN_CONFIG_NAME = re.compile(r"config\.yaml|resume-\d+\.yaml")
+MAX_SEED = 2**63 - 1  # numpy and torch take any seed in [0, 2**63)
 
 TINY_PRESET: dict[str, Any] = {
     "model": {"path": None, "device": "cpu"},
@@ -239,10 +242,42 @@ def load_config(
     command_line: dict[str, Any] = {}
     for override in overrides:
         command_line = _merge(command_line, _parse_override(override))
+    home = None if path is None else run_home(Path(path))
+    if home is not None and "directory" not in command_line.get("run", {}):
+        raw = _merge(raw, {"run": {"directory": str(home)}})
     raw = _merge_layer(raw, command_line)
     config = _build(TrainingConfig, raw, "config")
     validate(config, world_size)
     return config
+
+
+def run_home(path: Path) -> Path | None:
+    """The run a config file belongs to: the folder of a run's ``config.yaml`` or
+    ``resume-<n>.yaml`` (one holding ``checkpoints/`` or ``metrics.jsonl``), else None.
+
+    A run is where its files are: the ``run.directory`` recorded inside is where it was
+    first trained, which is wrong once the folder moved or the working directory changed.
+    """
+    if not RUN_CONFIG_NAME.fullmatch(path.name):
+        return None
+    folder = path.parent
+    holds_a_run = (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file()
+    return folder if holds_a_run else None
+
+
+def read_run_config(path: Path) -> dict[str, Any]:
+    """A run's saved config (``config.yaml``), or a one-line ConfigError saying it is damaged."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        problem = f"cannot be read ({type(error).__name__})"
+    else:
+        if isinstance(data, dict) and data:
+            return data
+        problem = "is empty" if data is None else f"holds a {type(data).__name__}, not a config"
+    raise ConfigError(
+        f"{path} {problem}: restore the run's config there, or use a new run.directory"
+    )
 
 
 def validate(config: TrainingConfig, world_size: int = 1) -> None:
@@ -297,6 +332,7 @@ def _check_ranges(config: TrainingConfig) -> None:
         ("rollout.guidance_scale", guidance, guidance >= 0, ">= 0"),
         ("run.checkpoint_every", run.checkpoint_every, run.checkpoint_every >= 1, ">= 1"),
         ("run.keep_checkpoints", run.keep_checkpoints, run.keep_checkpoints >= 1, ">= 1"),
+        ("run.seed", run.seed, 0 <= run.seed <= MAX_SEED, f"in [0, {MAX_SEED}]"),
     ]
     optional = [  # unset (None) means the default, which is in range
         ("strategy.rho", strategy.rho, lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -333,6 +369,20 @@ def _check_ranges(config: TrainingConfig) -> None:
         )
     if prompts.directory is not None and not prompts.sources:
         raise ConfigError("prompts.directory is set but prompts.sources is empty")
+    _check_prompt_sources(prompts.sources)
+
+
+def _check_prompt_sources(sources: list[PromptSourceConfig]) -> None:
+    names = [source.name for source in sources]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError(f"prompts.sources: each source needs its own name; repeated: {repeated}")
+    for source in sources:
+        if not source.weight > 0:
+            raise ConfigError(
+                f"prompts.sources {source.name!r}: weight must be > 0, got {source.weight} "
+                "(remove the source to leave it out)"
+            )
 
 
 def _check_batch_arithmetic(config: TrainingConfig, world_size: int) -> None:
@@ -443,6 +493,8 @@ def _check_device(key: str, device: str) -> None:
         kind = torch.device(device).type
     except (RuntimeError, ValueError):
         raise ConfigError(f"{key}: {device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"{key}={device!r}: training runs on cpu or cuda devices only")
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}={device!r} but CUDA is not available on this machine; use cpu")
 

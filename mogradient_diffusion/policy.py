@@ -79,6 +79,30 @@ class LoraSpec:
         )
 
 
+class LoraTargetError(ValueError):
+    """A LoRA target names no module of the model (peft would skip it, or fail late)."""
+
+
+def _check_targets(model: nn.Module, targets: Sequence[str]) -> None:
+    """Every target must match a module as peft matches them: the name or its tail."""
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        linear = sorted(
+            {_short_name(n) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        )
+        raise LoraTargetError(
+            f"lora.target_modules {unmatched} match no module of the transformer; its "
+            f"linear layers are named {', '.join(linear[:16])}{', ...' if len(linear) > 16 else ''}"
+        )
+
+
+def _short_name(name: str) -> str:
+    """``transformer_blocks.3.attn.to_out.0`` -> ``to_out.0``: what a target would say."""
+    parts = name.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+
+
 @dataclass
 class PromptEmbeddings:
     """SD3 text conditioning: token embeddings [B, L, D] and pooled embeddings [B, P]."""
@@ -164,6 +188,7 @@ class Policy:
         transformer = pipeline.transformer
         if gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
+        _check_targets(transformer, lora.target_modules)
         with warnings.catch_warnings():  # peft warns that a second adapter is a second adapter
             warnings.filterwarnings("ignore", message="Already found a `peft_config`")
             transformer.add_adapter(lora.peft_config(), adapter_name="default")

@@ -11,6 +11,8 @@ batch's share per source, so a small source (OCR) is not drowned by a large one.
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,12 @@ class PromptSource:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """A fingerprint of the prompts and metadata: a resumed run checks its text too."""
+        text = json.dumps([self.prompts, self.metadata], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class SampledPrompt(NamedTuple):
@@ -214,6 +222,7 @@ class StratifiedPromptSampler:
         return {
             "seed": self.seed,
             "sources": [[s.name, len(s)] for s in self.sources],
+            "digests": [s.digest for s in self.sources],
             "weights": self.weights.tolist(),
             "credit": self._credit.tolist(),
             "cursor": list(self._cursor),
@@ -223,6 +232,22 @@ class StratifiedPromptSampler:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``; refuses a state taken over other sources or weights."""
+        self.check_state(state)
+        self._credit = np.array(state["credit"], dtype=float)
+        self._cursor = [int(c) for c in state["cursor"]]
+        self._passes = [int(p) for p in state["passes"]]
+        self._batches = int(state["batches"])
+
+    def edited_sources(self, state: Mapping[str, Any]) -> list[str]:
+        """Sources whose text differs from when ``state`` was taken (same sizes, so the
+        state still applies); none known for states saved without fingerprints."""
+        saved = state.get("digests")
+        if saved is None:
+            return []
+        return [s.name for s, d in zip(self.sources, saved, strict=True) if s.digest != d]
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError unless ``state`` was taken over these sources, seed and weights."""
         mine = self.state_dict()
         sources = [[str(name), int(size)] for name, size in state["sources"]]
         if sources != mine["sources"]:
@@ -234,7 +259,3 @@ class StratifiedPromptSampler:
                 f"sampler state has seed {state['seed']} and weights "
                 f"{state['weights']}, this sampler {self.seed} and {mine['weights']}"
             )
-        self._credit = np.array(state["credit"], dtype=float)
-        self._cursor = [int(c) for c in state["cursor"]]
-        self._passes = [int(p) for p in state["passes"]]
-        self._batches = int(state["batches"])

@@ -9,6 +9,7 @@ resume writes ``resume-<n>.yaml`` with its own config and what changed.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ def check_resume(
     """The changes a resume applies; raises ConfigError (one line) for a refused one."""
     saved = upgrade_saved_config(saved)
     changes = {key: pair for key, pair in config_changes(saved, current).items() if key not in FREE}
-    own_config = run_dir / "config.yaml"
+    own_config = latest_settings(run_dir)
     fixed = [key for key in changes if any(key == f or key.startswith(f + ".") for f in FIXED)]
     if fixed:
         raise ConfigError(
@@ -59,6 +60,20 @@ def check_resume(
             "run.directory"
         )
     return changes
+
+
+def latest_settings(run_dir: Path) -> Path:
+    """The file holding the settings the run last ran with: its newest ``resume-<n>.yaml``
+    (written by every resume, changes included), else ``config.yaml``."""
+    records = _resume_records(run_dir)
+    return records[max(records)] if records else run_dir / "config.yaml"
+
+
+def _resume_records(run_dir: Path) -> dict[int, Path]:
+    if not run_dir.is_dir():
+        return {}
+    found = (re.fullmatch(r"resume-(\d+)\.yaml", path.name) for path in run_dir.iterdir())
+    return {int(match.group(1)): run_dir / match.group(0) for match in found if match}
 
 
 def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
@@ -80,7 +95,7 @@ def write_resume_record(
     run_dir: Path, config: dict[str, Any], epoch: int, changes: dict[str, tuple]
 ) -> Path:
     """``resume-<n>.yaml``: the config this resume runs with, headed by what changed."""
-    number = 1 + len(list(run_dir.glob("resume-*.yaml")))
+    number = 1 + max(_resume_records(run_dir), default=0)
     path = run_dir / f"resume-{number}.yaml"
     header = [f"# resumed at epoch {epoch}"]
     header += [f"# changed {key}: {old!r} -> {new!r}" for key, (old, new) in changes.items()]

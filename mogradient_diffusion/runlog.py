@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,11 @@ class RunLog:
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         record = {"step": step, **record}
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(_jsonable(record)) + "\n")
+        try:
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(_jsonable(record)) + "\n")
+        except OSError as error:  # a full disk says nothing of which file it hit
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
         for key, value in record.items():
             numeric = isinstance(value, int | float) and not isinstance(value, bool)
             if numeric and math.isfinite(value) and key != "step":
@@ -47,7 +51,14 @@ class RunLog:
             for line in self.path.read_text().splitlines()
             if _step_of(line) is not None and _step_of(line) < step
         ]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        # Written aside and renamed over: a full disk mid-write must not cut the record.
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            temporary.write_text("".join(line + "\n" for line in kept))
+            os.replace(temporary, self.path)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
 
 
 def _step_of(line: str) -> int | None:

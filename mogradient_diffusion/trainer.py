@@ -37,10 +37,11 @@ from mogradient.objectives import CombinableLoss
 from mogradient_diffusion.checkpoint import (
     Restored,
     keep_last,
+    latest_checkpoint,
     load_newest_intact,
     save_checkpoint,
 )
-from mogradient_diffusion.config import ConfigError, TrainingConfig
+from mogradient_diffusion.config import ConfigError, TrainingConfig, read_run_config
 from mogradient_diffusion.distributed import World
 from mogradient_diffusion.objectives import (
     Objective,
@@ -51,7 +52,14 @@ from mogradient_diffusion.objectives import (
     TrainPiece,
     build_objective,
 )
-from mogradient_diffusion.policy import DTYPES, ParameterEMA, Policy, old_decay
+from mogradient_diffusion.policy import (
+    DTYPES,
+    LoraTargetError,
+    ParameterEMA,
+    Policy,
+    PromptEmbeddings,
+    old_decay,
+)
 from mogradient_diffusion.prompt_setup import build_prompt_sampler
 from mogradient_diffusion.prompts import SampledPrompt
 from mogradient_diffusion.resume import check_resume, write_resume_record
@@ -80,6 +88,10 @@ class EpochData:
     reward_advantages: torch.Tensor | None = None
 
 
+class RunComplete(Exception):
+    """The run already has the epochs asked for: there is nothing to train."""
+
+
 class NonFiniteError(RuntimeError):
     """Training produced non-finite values it cannot skip; nothing of them was saved."""
 
@@ -102,15 +114,24 @@ class Trainer:
         self.reward_names = [r.name for r in config.rewards]
         self.sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
         self._restored, self._resume_changes = self._saved_run()
+        if self._restored is not None and self._restored.state["epoch"] >= config.train.epochs:
+            raise RunComplete(
+                f"{self.run_dir} is already at epoch {self._restored.state['epoch']} "
+                f"(train.epochs={config.train.epochs}): nothing to train, nothing written; "
+                "raise train.epochs to continue"
+            )
         model_path = self._model_path()
         torch.manual_seed(config.run.seed)  # same LoRA init everywhere, whatever ran before
-        self.policy = Policy.load(
-            model_path,
-            config.lora,
-            device=world.device,
-            dtype=DTYPES[config.model.dtype],
-            gradient_checkpointing=config.model.gradient_checkpointing,
-        )
+        try:
+            self.policy = Policy.load(
+                model_path,
+                config.lora,
+                device=world.device,
+                dtype=DTYPES[config.model.dtype],
+                gradient_checkpointing=config.model.gradient_checkpointing,
+            )
+        except LoraTargetError as error:
+            raise ConfigError(str(error)) from None
         self.parameters = self.policy.trainable_parameters()
         self.gradients = StepGradients(
             self.policy.transformer,
@@ -137,6 +158,7 @@ class Trainer:
         self.epoch = 0
         self.optimizer_step = 0
         self._nonfinite_streak = 0  # consecutive skipped optimizer steps
+        self._probe_input: tuple[torch.Tensor, PromptEmbeddings] | None = None
 
     # ----------------------------------------------------------------- run
     def run(self) -> Path:
@@ -199,6 +221,12 @@ class Trainer:
             on_images=None if background is None else background.submit,
         )
         batch = self.objective.rollout(self.policy, request, self._score)
+        if not all_finite([batch.images]):
+            raise NonFiniteError(
+                f"epoch {self.epoch}: the policy sampled non-finite images (diverged weights: "
+                "is train.learning_rate or lora.alpha far too large?); the rewards were not "
+                f"asked to score them; {self._kept_checkpoint()}"
+            )
         times["time/rollout"] = time.perf_counter() - started
         started = time.perf_counter()  # overlapped: only the wait after sampling is counted
         if background is not None:
@@ -519,7 +547,7 @@ class Trainer:
         seed = (
             (self.config.run.seed * 1_000_003 + self.world.rank) * 10_007 + self.epoch
         ) * 7 + code
-        return torch.Generator().manual_seed(seed)
+        return torch.Generator().manual_seed(seed % 2**64)  # unchanged for seeds < 2.6e8
 
     def _model_path(self) -> Path:
         if self.config.model.path is not None:
@@ -569,7 +597,32 @@ class Trainer:
             record["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return record
 
+    def _check_outputs_finite(self) -> None:
+        """Weights can be finite yet diverged (a huge learning rate or LoRA alpha): one
+        velocity per adapter on a fixed input keeps them out of the checkpoint."""
+        if self._probe_input is None:
+            shape = self.policy.latent_shape(self.config.rollout.resolution)
+            noise = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
+            prompt = self.sampler.sources[0].prompts[0]
+            length = self.config.rollout.max_sequence_length
+            embeds = self.policy.encode_prompts([prompt], max_sequence_length=length)
+            self._probe_input = (noise.to(self.world.device), embeds)
+        noise, embeds = self._probe_input
+        with torch.no_grad():
+            outputs = [self.policy.velocity(noise, 1.0, embeds, a) for a in ("default", "old")]
+        if not all_finite(outputs):
+            raise NonFiniteError(
+                f"after epoch {self.epoch} the LoRA weights give non-finite velocities: they "
+                "diverged (is train.learning_rate or lora.alpha far too large?); not "
+                f"checkpointed: {self._kept_checkpoint()}"
+            )
+
+    def _kept_checkpoint(self) -> str:
+        latest = latest_checkpoint(self.run_dir)
+        return "no checkpoint was saved" if latest is None else f"{latest} is intact"
+
     def _checkpoint(self) -> None:
+        self._check_outputs_finite()
         if not self.world.is_main:
             self.world.barrier()
             return
@@ -598,10 +651,34 @@ class Trainer:
         if restored is not None:
             saved = restored.state["config"]
         elif (self.run_dir / "config.yaml").exists():
-            saved = yaml.safe_load((self.run_dir / "config.yaml").read_text())
+            saved = read_run_config(self.run_dir / "config.yaml")
         else:
             return None, None
-        return restored, check_resume(saved, current, self.run_dir, self.allow_config_change)
+        changes = check_resume(saved, current, self.run_dir, self.allow_config_change)
+        if restored is not None:
+            self._check_prompts(restored.state["sampler"])
+        return restored, changes
+
+    def _check_prompts(self, saved: dict[str, Any]) -> None:
+        """The prompt files must be those the run was saved with: another line count is
+        refused (the saved position means nothing there), edited text needs the flag."""
+        try:
+            self.sampler.check_state(saved)
+        except ValueError as error:
+            raise ConfigError(
+                f"{self.run_dir}: the prompt files changed since the run was saved ({error}); "
+                "restore them, or use a new run.directory"
+            ) from None
+        edited = self.sampler.edited_sources(saved)
+        if edited and not self.allow_config_change:
+            raise ConfigError(
+                f"{self.run_dir}: the text of prompt source(s) {edited} changed since the run "
+                "was saved (same number of prompts); restore the files, pass "
+                "--allow-config-change to train on the new text from here on, or use a new "
+                "run.directory"
+            )
+        for name in edited:
+            self._warn(f"prompt source {name!r} was edited since the run was saved")
 
     def _restore(self, restored: Restored) -> None:
         """Continue from a checkpoint; the optimizer and EMA take the config's settings."""

@@ -39,6 +39,13 @@ def _prompts(directory: Path, content: bytes) -> list[str]:
         (["rewards=[{name: jpeg_incompressibility, options: {quality: 500}}]"], "quality"),
         ("empty", "no prompts"),
         ("latin-1", "not UTF-8"),
+        (["run.seed=-5"], "run.seed must be in [0, "),
+        (["run.seed=99999999999999999999999"], "run.seed must be in [0, "),
+        (["model.device=mps"], "cpu or cuda devices only"),
+        (["model.device=meta"], "cpu or cuda devices only"),
+        ("weight 0", "weight must be > 0"),
+        ("weight -1", "weight must be > 0"),
+        ("same names", "repeated: ['mine']"),
     ],
 )
 def test_user_errors_are_one_line_before_any_model_loads(
@@ -48,6 +55,15 @@ def test_user_errors_are_one_line_before_any_model_loads(
         overrides = _prompts(tmp_path, b"\n  \n")
     elif overrides == "latin-1":
         overrides = _prompts(tmp_path, "caf\u00e9 au lait\n".encode("latin-1"))
+    elif isinstance(overrides, str) and overrides.startswith("weight"):
+        weight = overrides.split()[1]
+        overrides = _prompts(tmp_path, b"a cat\n")
+        overrides[1] = f"prompts.sources=[{{name: mine, file: train.txt, weight: {weight}}}]"
+    elif overrides == "same names":
+        overrides = _prompts(tmp_path, b"a cat\n")
+        overrides[1] = (
+            "prompts.sources=[{name: mine, file: train.txt}, {name: mine, file: train.txt}]"
+        )
     run_dir = tmp_path / "run"
     assert main(train_arguments(run_dir, tiny_pipeline_dir, *overrides)) == 2
     assert message in _one_line(capsys.readouterr().err)
@@ -83,3 +99,18 @@ def test_a_raising_reward_stops_training_in_one_line(
     last = error.strip().splitlines()[-1]
     assert "Traceback" not in error and last.startswith("mogradient-diffusion: training stopped")
     assert "'raising'" in last and "scoring server unreachable" in last
+
+
+def test_the_largest_seed_trains(tmp_path: Path, tiny_pipeline_dir: Path) -> None:
+    seed = f"run.seed={2**63 - 1}"
+    assert main(train_arguments(tmp_path, tiny_pipeline_dir, seed, "train.epochs=1")) == 0
+
+
+def test_a_lora_target_that_matches_nothing_is_one_line_naming_the_layers(
+    tmp_path: Path, tiny_pipeline_dir: Path, capsys
+) -> None:
+    targets = "lora.target_modules=[to_q, x]"
+    assert main(train_arguments(tmp_path, tiny_pipeline_dir, targets)) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "Traceback" not in error and "lora.target_modules ['x'] match no module" in error
+    assert "to_q" in error and "to_out.0" in error
