@@ -2,7 +2,8 @@
 
 The built-in set mirrors the paper's mixed sources (general scenes, quoted text,
 compositional colour prompts) in the tiny vocabulary, so the ``tiny`` preset trains on
-the same kind of mixture as the real recipe without any download.
+the same kind of mixture as the real recipe without any download. Every prompt names a
+colour, so the preset's ``color_match`` reward applies to each epoch's draw.
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ BUILT_IN_SOURCES = (
     PromptSource(
         "general",
         (
-            "a photo of a cat in a room",
-            "a painting of a boat on the sea",
-            "a house next to a tree",
-            "a bright city street",
+            "a photo of a black cat in a room",
+            "a painting of a white boat on the sea",
+            "a red house next to a tree",
+            "a bright city street at blue hour",
         ),
     ),
     PromptSource(
         "text",
         (
-            'a sign saying "open"',
-            'a book with the word "love"',
-            'a cafe sign that reads "hello"',
-            'a picture of the text "stop"',
+            'a green sign saying "open"',
+            'a pink book with the word "love"',
+            'a cafe sign that reads "hello" on a brown wall',
+            'a picture of the text "stop" in orange',
         ),
     ),
     PromptSource(

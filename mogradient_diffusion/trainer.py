@@ -753,12 +753,14 @@ def _check_finite_state(state: dict[str, Any]) -> None:
 
 
 def _summary(record: dict[str, Any], reward_names: list[str]) -> dict[str, str]:
-    """A few numbers for the progress bar: mean rewards and the latest weights."""
+    """The progress bar's fields: each reward's mean, and with one objective per reward
+    the weight its gradient got in the epoch's last step (on the raw gradients)."""
     summary = {name: f"{_number(record.get(f'reward/{name}/mean')):.3g}" for name in reward_names}
     steps = record.get("optimizer_steps") or [{}]
-    weights = steps[-1].get("weights")
-    if weights:
-        summary["w"] = "/".join(f"{w:.2g}" for w in weights)
+    weights = steps[-1].get("weights") or []
+    if len(weights) == len(reward_names):
+        for name, weight in zip(reward_names, weights, strict=True):
+            summary[name] += f" (weight {weight:.2g})"
     return summary
 
 

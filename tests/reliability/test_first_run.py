@@ -1,0 +1,33 @@
+"""What a newcomer's first tiny run shows: every reward of the preset applies to the
+built-in prompts, and the progress bar names what each weight belongs to."""
+
+from __future__ import annotations
+
+from mogradient_diffusion.config import load_config
+from mogradient_diffusion.prompt_setup import BUILT_IN_SOURCES
+from mogradient_diffusion.rewards import colors_in_prompt
+from mogradient_diffusion.trainer import _summary
+
+
+def test_every_built_in_prompt_names_a_colour_for_the_tiny_presets_color_match() -> None:
+    assert "color_match" in [reward.name for reward in load_config(preset="tiny").rewards]
+    for source in BUILT_IN_SOURCES:
+        for prompt in source.prompts:
+            assert colors_in_prompt(prompt), prompt
+
+
+def test_the_progress_bar_puts_each_weight_beside_its_reward() -> None:
+    record = {
+        "reward/color_match/mean": 0.1875,
+        "reward/jpeg/mean": 3.72,
+        "optimizer_steps": [{"weights": [0.0, 1.0]}, {"weights": [1.1, 0.32]}],
+    }
+    assert _summary(record, ["color_match", "jpeg"]) == {
+        "color_match": "0.188 (weight 1.1)",
+        "jpeg": "3.72 (weight 0.32)",
+    }
+
+
+def test_a_single_objective_shows_no_weight() -> None:
+    record = {"reward/a/mean": 1.0, "reward/b/mean": 2.0, "optimizer_steps": [{"weights": [1]}]}
+    assert _summary(record, ["a", "b"]) == {"a": "1", "b": "2"}
