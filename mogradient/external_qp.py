@@ -1,8 +1,9 @@
 """Independent QP backends (cvxpy, qpsolvers) used to cross-check the exact built-in solvers.
 
-Both problems in the package are min v^T G v with G PSD, over the probability simplex
-(MGDA) or over v >= lower (UPGrad / DualProj). Tolerances are set as tight as each
-solver accepts, so that disagreements point at a real difference.
+Both problems in the package are min v^T G v with G PSD, over a simplex
+{v >= 0, c . v = 1} (MGDA; c = 1 is the probability simplex) or over v >= lower
+(UPGrad / DualProj). Tolerances are set as tight as each solver accepts, so that
+disagreements point at a real difference.
 """
 
 from __future__ import annotations
@@ -22,14 +23,20 @@ TIGHT_QPSOLVERS_OPTIONS: dict[str, dict[str, float]] = {
 _RIDGE = 1e-14
 
 
-def solve_with_cvxpy(gram: np.ndarray, lower: np.ndarray | None = None) -> np.ndarray:
-    """Minimize v^T G v over the simplex (``lower=None``) or over v >= lower, with Clarabel."""
+def solve_with_cvxpy(
+    gram: np.ndarray, lower: np.ndarray | None = None, simplex: np.ndarray | None = None
+) -> np.ndarray:
+    """Minimize v^T G v over v >= lower, or (``lower=None``) over the simplex
+    {v >= 0, simplex . v = 1} (default all ones), with Clarabel."""
     try:
         import cvxpy as cp
     except ImportError as error:
         raise ImportError("the 'cvxpy' backend needs: pip install 'mogradient[solvers]'") from error
     weights = cp.Variable(len(gram))
-    constraints = [weights >= 0, cp.sum(weights) == 1] if lower is None else [weights >= lower]
+    if lower is None:
+        constraints = [weights >= 0, _simplex_coefficients(simplex, len(gram)) @ weights == 1]
+    else:
+        constraints = [weights >= lower]
     problem = cp.Problem(cp.Minimize(cp.sum_squares(psd_factor(gram) @ weights)), constraints)
     problem.solve(solver=cp.CLARABEL, **TIGHT_QPSOLVERS_OPTIONS["clarabel"])
     if weights.value is None:
@@ -38,9 +45,13 @@ def solve_with_cvxpy(gram: np.ndarray, lower: np.ndarray | None = None) -> np.nd
 
 
 def solve_with_qpsolvers(
-    gram: np.ndarray, solver: str, lower: np.ndarray | None = None
+    gram: np.ndarray,
+    solver: str,
+    lower: np.ndarray | None = None,
+    simplex: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Minimize v^T G v over the simplex (``lower=None``) or v >= lower with a qpsolvers solver."""
+    """Minimize v^T G v over v >= lower, or (``lower=None``) over the simplex
+    {v >= 0, simplex . v = 1} (default all ones), with a qpsolvers solver."""
     try:
         import qpsolvers
     except ImportError as error:
@@ -48,20 +59,28 @@ def solve_with_qpsolvers(
             "the 'qpsolvers' backend needs: pip install 'mogradient[solvers]'"
         ) from error
     num = len(gram)
-    simplex = lower is None
+    coefficients = _simplex_coefficients(simplex, num) if lower is None else None
     solution = qpsolvers.solve_qp(
         P=2.0 * gram + _RIDGE * np.eye(num),
         q=np.zeros(num),
-        A=np.ones((1, num)) if simplex else None,
-        b=np.ones(1) if simplex else None,
-        lb=np.zeros(num) if simplex else lower,
-        ub=np.ones(num) if simplex else None,
+        A=None if coefficients is None else coefficients[None, :],
+        b=None if coefficients is None else np.ones(1),
+        lb=np.zeros(num) if coefficients is not None else lower,
+        # v_k <= 1 / c_k follows from the others; bounded boxes help some solvers.
+        ub=None if coefficients is None else 1.0 / coefficients,
         solver=solver,
         **TIGHT_QPSOLVERS_OPTIONS.get(solver, {}),
     )
     if solution is None:
         raise SolverError(f"qpsolvers solver {solver!r} found no solution of the QP")
     return np.asarray(solution, dtype=np.float64)
+
+
+def _simplex_coefficients(simplex: np.ndarray | None, count: int) -> np.ndarray:
+    """Positive coefficients c of the simplex's equality c . v = 1 (all ones by default)."""
+    if simplex is None:
+        return np.ones(count)
+    return np.asarray(simplex, dtype=np.float64).reshape(count)
 
 
 def psd_factor(gram: np.ndarray) -> np.ndarray:
