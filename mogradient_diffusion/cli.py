@@ -72,13 +72,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _add_eval_parser(commands) -> None:
-    from mogradient_diffusion.evaluate import PROMPT_SETS
+    from mogradient_diffusion.evaluate import PROMPT_SETS, EvalSettings
     from mogradient_diffusion.few_step_eval import FEW_STEPS
 
     sets = ", ".join(PROMPT_SETS)
-    evaluate = commands.add_parser("eval", help="generate on a prompt set and score it")
-    evaluate.add_argument("--model", required=True, help="StableDiffusion3Pipeline directory")
-    evaluate.add_argument("--lora", help="LoRA directory written by `train` (lora/ or lora_ema/)")
+    fallback = {name: field.default for name, field in EvalSettings.__dataclass_fields__.items()}
+
+    def from_run(key: str, otherwise: str) -> str:
+        return f"default: the run's {key} when --lora is in a run directory, else {otherwise}"
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="generate on a prompt set and score it",
+        description="Generate images for a prompt set with fixed seeds, score them and write "
+        "images/, samples.jsonl, summary.json, summary.md and grid.png to --out (a previous "
+        "evaluation there is replaced). A --lora inside a run directory (<run>/lora, "
+        "<run>/lora_ema) takes the model, steps, resolution, guidance, sequence length and "
+        "dtype from the run's config.yaml; a flag given here wins.",
+    )
+    evaluate.add_argument(
+        "--model",
+        help="StableDiffusion3Pipeline directory (" + from_run("model.path", "required") + ")",
+    )
+    evaluate.add_argument(
+        "--lora", help="LoRA directory written by `train` (a run's lora/ or lora_ema/); none: base"
+    )
     evaluate.add_argument("--prompts", required=True, help=f"shipped set ({sets}) or a file")
     evaluate.add_argument("--metrics", required=True, help="comma-separated reward names")
     evaluate.add_argument(
@@ -88,9 +106,13 @@ def _add_eval_parser(commands) -> None:
         metavar="NAME.KEY=VALUE",
         help="reward option, e.g. pickscore.path=/weights/pickscore (repeatable)",
     )
-    evaluate.add_argument("--out", required=True, help="output directory")
+    evaluate.add_argument("--out", required=True, help="output folder")
     step_counts = evaluate.add_mutually_exclusive_group()
-    step_counts.add_argument("--steps", type=int, default=40, help="sampling steps (default 40)")
+    step_counts.add_argument(
+        "--steps",
+        type=int,
+        help="sampling steps (" + from_run("rollout.steps", str(fallback["steps"])) + ")",
+    )
     step_counts.add_argument(
         "--steps-sweep",
         nargs="?",
@@ -100,25 +122,59 @@ def _add_eval_parser(commands) -> None:
         f"{','.join(map(str, FEW_STEPS))}), one folder per count and a table by count in "
         "few_steps.md/json: whether reward holds at few steps, SDPO's claim",
     )
-    evaluate.add_argument("--guidance-scale", type=float, default=1.0)
-    evaluate.add_argument("--resolution", type=int)
     evaluate.add_argument(
-        "--max-sequence-length", type=int, default=256, help="T5 tokens, as in training"
+        "--guidance-scale",
+        type=float,
+        help="CFG scale ("
+        + from_run("rollout.guidance_scale", str(fallback["guidance_scale"]))
+        + ")",
     )
-    evaluate.add_argument("--images-per-prompt", type=int, default=1)
-    evaluate.add_argument("--max-prompts", type=int)
-    evaluate.add_argument("--seed", type=int, default=0)
-    evaluate.add_argument("--batch-size", type=int, default=8)
-    evaluate.add_argument("--device", default="auto")
-    evaluate.add_argument("--dtype", default="float32")
+    evaluate.add_argument(
+        "--resolution",
+        type=int,
+        help="image side in pixels (" + from_run("rollout.resolution", "the model's own") + ")",
+    )
+    evaluate.add_argument(
+        "--max-sequence-length",
+        type=int,
+        help="T5 tokens per prompt ("
+        + from_run("rollout.max_sequence_length", str(fallback["max_sequence_length"]))
+        + ")",
+    )
+    evaluate.add_argument(
+        "--images-per-prompt", type=int, default=fallback["images_per_prompt"], help="(default: 1)"
+    )
+    evaluate.add_argument("--max-prompts", type=int, help="first N prompts (default: all)")
+    evaluate.add_argument(
+        "--seed", type=int, default=fallback["seed"], help="image i gets seed + i (default: 0)"
+    )
+    evaluate.add_argument(
+        "--batch-size",
+        type=int,
+        default=fallback["batch_size"],
+        help="images generated at once; results do not depend on it (default: 8)",
+    )
+    evaluate.add_argument(
+        "--device", default=fallback["device"], help="auto, cpu, cuda, cuda:1, ... (default: auto)"
+    )
+    evaluate.add_argument(
+        "--dtype",
+        help="float32, bfloat16 or float16 ("
+        + from_run("model.dtype", str(fallback["dtype"]))
+        + ")",
+    )
     evaluate.add_argument("--label", help="row name in `compare` (default: the folder name)")
-    evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+    evaluate.add_argument("--quiet", action="store_true", help="no progress bars")
     evaluate.add_argument(
         "--reward-module",
         action="append",
         default=[],
         help="module to import for user-registered rewards (repeatable)",
     )
+
+
+# Flags whose default comes from the LoRA's run when it has one (EvalSettings field names).
+RUN_FLAGS = ("model", "steps", "guidance_scale", "resolution", "max_sequence_length", "dtype")
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -128,22 +184,17 @@ def _eval(args: argparse.Namespace) -> int:
 
     try:
         settings = EvalSettings(
-            model=args.model,
+            **_run_flags(args),
             lora=args.lora,
             prompts=args.prompts,
             metrics=[m.strip() for m in args.metrics.split(",") if m.strip()],
             metric_options=_metric_options(args.metric_option),
             out=args.out,
-            steps=args.steps,
-            guidance_scale=args.guidance_scale,
-            resolution=args.resolution,
-            max_sequence_length=args.max_sequence_length,
             images_per_prompt=args.images_per_prompt,
             max_prompts=args.max_prompts,
             seed=args.seed,
             batch_size=args.batch_size,
             device=args.device,
-            dtype=args.dtype,
             label=args.label,
             progress=not args.quiet,
             reward_modules=args.reward_module,
@@ -165,6 +216,26 @@ def _eval(args: argparse.Namespace) -> int:
         f"one evaluation per count in {out}/steps_NN/"
     )
     return 0
+
+
+def _run_flags(args: argparse.Namespace) -> dict:
+    """``RUN_FLAGS`` values: a given flag, else the LoRA's run's setting (announced), else
+    EvalSettings' default; ValueError when no model is named either way."""
+    from mogradient_diffusion.eval_inputs import run_defaults
+
+    given = {name: getattr(args, name) for name in RUN_FLAGS if getattr(args, name) is not None}
+    config_path, from_run = run_defaults(args.lora)
+    taken = {name: value for name, value in from_run.items() if name not in given}
+    if taken:
+        listed = ", ".join(f"{name}={value}" for name, value in taken.items())
+        print(f"mogradient-diffusion eval: from {config_path}: {listed}")
+    values = taken | given
+    if "model" not in values:
+        raise ValueError(
+            "--model is required (it can be left out when --lora lies in a run directory "
+            "whose config.yaml names the model)"
+        )
+    return values
 
 
 def _step_counts(text: str) -> list[int]:
@@ -190,11 +261,16 @@ def _metric_options(items: list[str]) -> dict[str, dict]:
         target, sep, value = item.partition("=")
         name, dot, key = target.partition(".")
         if not sep or not dot or not name or not key:
-            raise SystemExit(
-                f"mogradient-diffusion eval: bad --metric-option {item!r}: "
+            raise ValueError(
+                f"bad --metric-option {item!r}: "
                 "expected NAME.KEY=VALUE, e.g. pickscore.path=/weights/pickscore"
             )
-        options.setdefault(name, {})[key] = yaml.safe_load(value)
+        try:
+            options.setdefault(name, {})[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError(
+                f"bad --metric-option {item!r}: {value!r} is not a YAML value"
+            ) from None
     return options
 
 

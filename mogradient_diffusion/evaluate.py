@@ -1,18 +1,26 @@
 """Evaluation: generate on a prompt set with fixed seeds, score with any rewards, write files.
 
-The protocol of the references: the pipeline's own sampler (40 Euler steps, CFG 1.0),
-one seed per image so results do not depend on the batch size, the trained LoRA loaded
-with ``load_lora_weights``. Scoring of batch i overlaps the generation of batch i+1 (a
+The protocol of the references: the pipeline's own sampler (40 Euler steps, CFG 1.0;
+``eval_inputs.run_defaults`` gives a run's LoRA its run's settings instead), one seed
+per image so results do not depend on the batch size, the trained LoRA loaded with
+``load_lora_weights``. Scoring of batch i overlaps the generation of batch i+1 (a
 one-thread pool, as the references overlap rewards with sampling). Outputs: ``images/``,
 ``samples.jsonl`` (one line per image), ``summary.json`` / ``summary.md`` (per-metric
-mean, std and a bootstrap 95% interval, GenEval-style per-tag means) and ``grid.png``.
+mean, std and a bootstrap 95% interval, GenEval-style per-tag means) and ``grid.png``
+(the first images, captioned with their prompt and scores).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
-from collections.abc import Mapping, Sequence
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +30,8 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from mogradient_diffusion.eval_grid import save_grid
+from mogradient_diffusion.eval_inputs import check_lora, check_output_dir, resolve_device
 from mogradient_diffusion.policy import DTYPES, load_sd3_pipeline
 from mogradient_diffusion.prompts import PromptSource, load_prompt_file
 from mogradient_diffusion.rewards import RewardSet, make_reward
@@ -60,18 +70,9 @@ class EvalSettings:
         from mogradient_diffusion.rewards import REWARDS
 
         import_reward_modules(self.reward_modules)
-        checks = {
-            "steps": self.steps >= 1,
-            "images_per_prompt": self.images_per_prompt >= 1,
-            "batch_size": self.batch_size >= 1,
-            "guidance_scale": self.guidance_scale >= 0,
-            "max_prompts": self.max_prompts is None or self.max_prompts >= 1,
-            "resolution": self.resolution is None or self.resolution > 0,
-            "max_sequence_length": self.max_sequence_length >= 1,
-        }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"invalid evaluation settings: {', '.join(bad)} out of range")
+        problems = _range_problems(self)
+        if problems:
+            raise ValueError("invalid evaluation settings: " + "; ".join(problems))
         if not self.metrics:
             raise ValueError("no metrics given: pass --metrics with reward names")
         unknown = sorted(set(self.metrics) - set(REWARDS))
@@ -81,8 +82,30 @@ class EvalSettings:
         if extra:
             raise ValueError(f"options given for metrics not evaluated: {extra}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         resolve_prompt_set(self.prompts)
+        resolve_device(self.device)
+        check_output_dir(self.out)
+        if self.lora is not None:
+            check_lora(self.lora)
+
+
+POSITIVE = ("steps", "images_per_prompt", "batch_size", "max_prompts", "max_sequence_length")
+
+
+def _range_problems(settings: EvalSettings) -> list[str]:
+    """``--flag must be RULE, got VALUE`` for each setting outside its range."""
+    problems = [
+        f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}"
+        for name in POSITIVE
+        if getattr(settings, name) is not None and getattr(settings, name) < 1
+    ]
+    if settings.guidance_scale < 0:
+        problems.append(f"--guidance-scale must be >= 0, got {settings.guidance_scale}")
+    size = settings.resolution
+    if size is not None and (size <= 0 or size % 16):
+        problems.append(f"--resolution must be a positive multiple of 16 (SD3), got {size}")
+    return problems
 
 
 def resolve_prompt_set(name_or_path: str) -> Path:
@@ -108,17 +131,90 @@ def load_eval_prompts(settings: EvalSettings) -> PromptSource:
 
 def load_pipeline(settings: EvalSettings):
     """The base pipeline (plus the LoRA), on the evaluation device, progress bars off."""
-    from mogradient_diffusion.distributed import World
-
-    device = World.from_environment(settings.device).device
-    pipeline = load_sd3_pipeline(settings.model, DTYPES[settings.dtype])
+    device = resolve_device(settings.device)
+    with library_progress_bars(settings.progress):
+        pipeline = load_sd3_pipeline(settings.model, DTYPES[settings.dtype])
     if settings.lora is not None:
-        lora = Path(settings.lora).expanduser()
-        if not lora.is_dir():
-            raise FileNotFoundError(f"LoRA directory {str(lora)!r} does not exist")
-        pipeline.load_lora_weights(lora)
+        load_lora(pipeline, settings.lora, settings.model)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline.to(device)
+
+
+def load_lora(pipeline, lora: str, model: str) -> None:
+    """``load_lora_weights``, with one line for a LoRA that does not fit the model: a size
+    mismatch, or layers the model lacks (diffusers would skip those without a word)."""
+    expected = sum(".lora_A." in key for key in check_lora(lora))
+    misfit = f"the LoRA {lora!r} does not fit the model {model!r}"
+    try:
+        pipeline.load_lora_weights(Path(lora).expanduser())
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise ValueError(f"{misfit}: {_brief(error)}") from None
+    loaded = sum(".lora_A." in name for name, _ in pipeline.transformer.named_parameters())
+    if loaded < expected:
+        raise ValueError(f"{misfit}: {expected - loaded} of its {expected} layers are not in it")
+
+
+def _brief(error: Exception, limit: int = 300) -> str:
+    """A library's (often multi-line, very long) message as one bounded line."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextmanager
+def library_progress_bars(enabled: bool) -> Iterator[None]:
+    """diffusers' and transformers' loading bars follow ``--quiet`` like ours."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    modules = (diffusers_logging, transformers_logging)
+    before = [module.is_progress_bar_enabled() for module in modules]
+    for module in modules:
+        module.enable_progress_bar() if enabled else module.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for module, was in zip(modules, before, strict=True):
+            module.enable_progress_bar() if was else module.disable_progress_bar()
+
+
+# Library log lines an evaluation would print: diffusers notes that the LoRA has no
+# text-encoder weights (ours never do) and warns per batch about truncated prompts
+# (``truncated_prompts`` counts them once instead); a LoRA that does not fit is logged
+# at length before the error that ``load_lora`` turns into one line.
+QUIETED = (
+    ("diffusers.loaders.lora_base", "No LoRA keys associated to"),
+    ("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3", "was truncated"),
+    ("diffusers.loaders.peft", "was unsuccessful with the following error"),
+    ("diffusers.utils.peft_utils", "led to unexpected keys found in the model"),
+)
+
+
+@contextmanager
+def quiet_library_messages() -> Iterator[None]:
+    """Drop the ``QUIETED`` messages while an evaluation runs; every other line passes."""
+    filters = [(logging.getLogger(name), _dropping(text)) for name, text in QUIETED]
+    for logger, drop in filters:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger, drop in filters:
+            logger.removeFilter(drop)
+
+
+def _dropping(text: str) -> Callable[[logging.LogRecord], bool]:
+    return lambda record: text not in record.getMessage()
+
+
+def truncated_prompts(pipeline, prompts: Sequence[str], max_sequence_length: int) -> int:
+    """Distinct prompts that CLIP (its 77 tokens) or T5 (``max_sequence_length``) cut short."""
+    limits = [(pipeline.tokenizer, pipeline.tokenizer.model_max_length)]
+    if pipeline.tokenizer_3 is not None:
+        limits.append((pipeline.tokenizer_3, max_sequence_length))
+    return sum(
+        any(len(tokenizer(prompt, verbose=False).input_ids) > limit for tokenizer, limit in limits)
+        for prompt in set(prompts)
+    )
 
 
 @dataclass
@@ -159,17 +255,45 @@ def generate(pipeline, samples: Sequence[Sample], settings: EvalSettings) -> tor
 
 
 def evaluate(settings: EvalSettings) -> Path:
-    """Run the whole evaluation; returns the output directory."""
+    """Run the whole evaluation; returns the output directory.
+
+    Everything is written to a staging folder first and replaces the previous
+    evaluation in ``out`` only at the end: a failed run leaves the old results whole,
+    and a finished one leaves no stale image beside its ``samples.jsonl``.
+    """
     settings.validate()
     source = load_eval_prompts(settings)
     rewards = RewardSet(
         [make_reward(name, **settings.metric_options.get(name, {})) for name in settings.metrics]
     )
-    pipeline = load_pipeline(settings)
-    rewards.to(pipeline.device)
-    out = Path(settings.out).expanduser()
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    samples = plan_samples(source, settings.images_per_prompt, settings.seed)
+    out = check_output_dir(settings.out)
+    staging = fresh_staging(out)
+    with quiet_library_messages():
+        pipeline = load_pipeline(settings)
+        rewards.to(pipeline.device)
+        # Record the size used, not "the model's default": `compare` matches the numbers.
+        native = pipeline.default_sample_size * pipeline.vae_scale_factor
+        settings = dataclasses.replace(settings, resolution=settings.resolution or native)
+        samples = plan_samples(source, settings.images_per_prompt, settings.seed)
+        rows, seconds = generate_and_score(pipeline, rewards, samples, settings, staging)
+    summary = summarize(rows, rewards.names)
+    prompt_file = str(resolve_prompt_set(settings.prompts))
+    summary["settings"] = asdict(settings) | {"prompt_file": prompt_file}
+    summary["reward_seconds"] = seconds
+    summary["label"] = settings.label or out.name
+    summary["truncated_prompts"] = truncated_prompts(
+        pipeline, source.prompts, settings.max_sequence_length
+    )
+    write_outputs(staging, rows, summary, rewards.names)
+    publish(staging, out)
+    _note_truncation(summary["truncated_prompts"], len(source), settings.max_sequence_length)
+    return out
+
+
+def generate_and_score(
+    pipeline, rewards: RewardSet, samples: Sequence[Sample], settings: EvalSettings, out: Path
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Generate batch by batch into ``out/images`` while the previous batch is scored."""
     scoring = BackgroundScoring(rewards, [s.prompt for s in samples], [s.metadata for s in samples])
     with tqdm(total=len(samples), desc="eval", unit="img", disable=not settings.progress) as bar:
         for start in range(0, len(samples), settings.batch_size):
@@ -184,17 +308,63 @@ def evaluate(settings: EvalSettings) -> Path:
         sample_row(sample, rewards.names, scores)
         for sample, scores in zip(samples, values.tolist(), strict=True)
     ]
+    return rows, seconds
+
+
+def write_outputs(
+    out: Path, rows: Sequence[dict[str, Any]], summary: dict[str, Any], metrics: Sequence[str]
+) -> None:
+    """``samples.jsonl``, ``summary.json``/``.md`` and the captioned ``grid.png``."""
     with (out / "samples.jsonl").open("w") as lines:
         lines.writelines(json.dumps(row) + "\n" for row in rows)
-    summary = summarize(rows, rewards.names)
-    prompt_file = str(resolve_prompt_set(settings.prompts))
-    summary["settings"] = asdict(settings) | {"prompt_file": prompt_file}
-    summary["reward_seconds"] = seconds
-    summary["label"] = settings.label or out.name
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.md").write_text(summary_markdown(summary))
-    save_grid([out / row["image"] for row in rows[:16]], out / "grid.png")
-    return out
+    save_grid(rows[:16], metrics, out, out / "grid.png")
+
+
+def _note_truncation(count: int, prompts: int, max_sequence_length: int) -> None:
+    if count:
+        print(
+            f"mogradient-diffusion eval: note: {count} of {prompts} prompts were cut short by "
+            f"the text encoders (CLIP: 77 tokens, T5: --max-sequence-length "
+            f"{max_sequence_length})",
+            file=sys.stderr,
+        )
+
+
+STAGING = ".eval-in-progress"
+OUTPUT_FILES = ("samples.jsonl", "summary.json", "summary.md", "grid.png")
+IMAGE_NAME = re.compile(r"\d{5}\.png")
+
+
+def fresh_staging(out: Path) -> Path:
+    """An empty ``out/.eval-in-progress/images`` (a killed run's leftovers removed)."""
+    staging = out / STAGING
+    if staging.exists():
+        shutil.rmtree(staging)
+    (staging / "images").mkdir(parents=True)
+    return staging
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Replace the evaluation files in ``out`` by those in ``staging``.
+
+    Only what an evaluation writes is removed (``images/NNNNN.png`` and ``OUTPUT_FILES``):
+    another file a user keeps in ``out`` stays.
+    """
+    images = out / "images"
+    images.mkdir(exist_ok=True)
+    for old in images.iterdir():
+        if IMAGE_NAME.fullmatch(old.name):
+            old.unlink()
+    for new in (staging / "images").iterdir():
+        new.replace(images / new.name)
+    for name in OUTPUT_FILES:
+        if (staging / name).exists():
+            (staging / name).replace(out / name)
+        else:
+            (out / name).unlink(missing_ok=True)
+    shutil.rmtree(staging)
 
 
 def image_path(sample: Sample) -> str:
@@ -228,17 +398,20 @@ def bootstrap_interval(
 
 
 def summarize(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> dict[str, Any]:
-    """Per metric: mean, std, n, n not applicable, 95% interval; per GenEval tag: means."""
+    """Per metric: mean, std, n, n not applicable, 95% interval; per GenEval tag: means.
+
+    What a sample this small cannot give (a std or an interval from one value) is null,
+    not NaN: NaN is no JSON, and the tables print it as unavailable.
+    """
     result: dict[str, Any] = {"images": len(rows), "metrics": {}}
     for name in metrics:
         values = np.array([row[name] for row in rows if row[name] is not None], dtype=np.float64)
-        low, high = bootstrap_interval(values)
         entry = {
-            "mean": float(values.mean()) if len(values) else math.nan,
-            "std": float(values.std(ddof=1)) if len(values) > 1 else math.nan,
+            "mean": float(values.mean()) if len(values) else None,
+            "std": float(values.std(ddof=1)) if len(values) > 1 else None,
             "n": len(values),
             "not_applicable": len(rows) - len(values),
-            "ci95": [low, high],
+            "ci95": [_finite_or_none(bound) for bound in bootstrap_interval(values)],
         }
         tags = sorted({row["tag"] for row in rows if row.get("tag") and row[name] is not None})
         if tags:
@@ -254,6 +427,23 @@ def summarize(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> dict
     return result
 
 
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def number_text(value: float | None) -> str:
+    """A table cell: the number, or ``n/a`` where there is none."""
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.4f}"
+
+
+def interval_text(entry: Mapping[str, Any]) -> str:
+    """``[low, high]``, or why there is no interval (fewer than two values)."""
+    low, high = entry.get("ci95") or (None, None)
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return f"n/a (n={entry.get('n', 0)})"
+    return f"[{low:.4f}, {high:.4f}]"
+
+
 def summary_markdown(summary: Mapping[str, Any]) -> str:
     settings = summary["settings"]
     lines = [
@@ -267,26 +457,12 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, entry in summary["metrics"].items():
-        low, high = entry["ci95"]
         lines.append(
-            f"| {name} | {entry['mean']:.4f} | [{low:.4f}, {high:.4f}] | {entry['std']:.4f} "
-            f"| {entry['n']} | {entry['not_applicable']} |"
+            f"| {name} | {number_text(entry['mean'])} | {interval_text(entry)} "
+            f"| {number_text(entry['std'])} | {entry['n']} | {entry['not_applicable']} |"
         )
     for name, entry in summary["metrics"].items():
         if "by_tag" in entry:
             lines += ["", f"{name} by tag (mean over tags {entry['mean_over_tags']:.4f}):", ""]
             lines += [f"- {tag}: {value:.4f}" for tag, value in entry["by_tag"].items()]
     return "\n".join(lines) + "\n"
-
-
-def save_grid(paths: Sequence[Path], target: Path, columns: int = 4) -> None:
-    """Tile images (same size) into one PNG, row by row."""
-    if not paths:
-        return
-    tiles = [Image.open(path).convert("RGB") for path in paths]
-    width, height = tiles[0].size
-    rows = -(-len(tiles) // columns)
-    grid = Image.new("RGB", (width * min(columns, len(tiles)), height * rows), "white")
-    for i, tile in enumerate(tiles):
-        grid.paste(tile.resize((width, height)), ((i % columns) * width, (i // columns) * height))
-    grid.save(target)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mogradient_diffusion.evaluate import EvalSettings, evaluate
+from mogradient_diffusion.evaluate import EvalSettings, evaluate, interval_text, number_text
 
 FEW_STEPS = (1, 2, 4, 8, 16)
 
@@ -44,7 +44,8 @@ def evaluate_at_steps(settings: EvalSettings, steps: Sequence[int] = FEW_STEPS) 
 
 
 def few_steps_markdown(table: dict[str, Any]) -> str:
-    """One row per step count, one column per metric: mean [95% interval]."""
+    """One row per step count, one column per metric: mean [95% interval] (n/a where a
+    metric had no value, or one value and so no interval)."""
     metrics = table["metrics"]
     lines = [
         f"# Reward by sampling steps: {table['label']}",
@@ -53,10 +54,7 @@ def few_steps_markdown(table: dict[str, Any]) -> str:
         "|---:|" + "---:|" * len(metrics),
     ]
     for count, values in table["steps"].items():
-        cells = [
-            f"{values[m]['mean']:.4f} [{values[m]['ci95'][0]:.4f}, {values[m]['ci95'][1]:.4f}]"
-            for m in metrics
-        ]
+        cells = [f"{number_text(values[m]['mean'])} {interval_text(values[m])}" for m in metrics]
         lines.append(f"| {count} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -14,6 +14,7 @@ from PIL import Image
 
 from mogradient_diffusion.cli import main
 from mogradient_diffusion.compare import comparison_table, composite_scores
+from mogradient_diffusion.eval_grid import GAP, TILE
 from mogradient_diffusion.evaluate import (
     PROMPT_SETS,
     EvalSettings,
@@ -72,7 +73,8 @@ def test_eval_writes_images_jsonl_summary_and_grid(tiny_pipeline_dir, lora_dir, 
         assert entry["mean"] == pytest.approx(np.mean([row[name] for row in rows]))
     assert summary["settings"]["steps"] == 2 and summary["settings"]["guidance_scale"] == 1.0
     assert "| clipscore |" in (out / "summary.md").read_text()
-    assert Image.open(out / "grid.png").size == (4 * 64, 2 * 64)
+    width, height = Image.open(out / "grid.png").size  # 6 images: 4 tiles a row, 2 rows
+    assert width == 4 * TILE + 3 * GAP and 2 * TILE < height < 3 * TILE
 
     # Same seeds, another batch size: the same images; without the LoRA: other images.
     again = tmp_path / "again"
