@@ -279,12 +279,12 @@ def _compare(eval_dirs: list[Path], out: Path | None, allow_mixed: bool) -> int:
 
     try:
         table = comparison_table(eval_dirs, allow_mixed_settings=allow_mixed)
-    except (FileNotFoundError, ValueError) as error:
+        if out is not None:
+            out.write_text(table)
+    except (OSError, ValueError) as error:  # FileNotFoundError is an OSError
         print(f"mogradient-diffusion compare: {error}", file=sys.stderr)
         return 2
     print(table, end="")
-    if out is not None:
-        out.write_text(table)
     return 0
 
 

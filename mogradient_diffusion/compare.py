@@ -1,16 +1,25 @@
 """Table-1 style comparison of evaluated models: metrics side by side plus a composite.
 
-The composite is the mean over metrics of per-column z-scores across the compared rows
-(each metric weighted equally, higher is better for every reward); a metric a row did
-not evaluate is left out of that row's mean. Best and second best per column are marked
-bold and underlined, as in the MARBLE paper's Table 1.
+Rows are comparable only when evaluated alike: the same prompts, sampler budget,
+resolution, sequence length, dtype, seeds and, per metric, the same reward options
+(``color_match`` at another ``min_share`` is another metric). Differences are refused
+unless allowed, and then printed under the table.
+
+The composite is an effect size against the first row (the reference, e.g. the base
+model): per metric, the difference of means in units of the metric's per-image standard
+deviation (pooled over the rows), averaged over the metrics that every row has. It does
+not depend on which other rows are compared, a metric missing from one row cannot raise
+that row's score, and two nearly equal rows score nearly the same (about 0.2 is a small
+difference, 0.8 a large one). A value is marked † where it differs from the reference's
+by more than their 95% intervals allow (unpaired, hence conservative). Best and second
+best per column are bold and underlined, as in the MARBLE paper's Table 1.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,44 +40,60 @@ def read_summary(directory: str | Path) -> dict[str, Any]:
 
 
 # Settings that make two evaluations' numbers comparable: the same prompts, sampler
-# budget, resolution, images per prompt and seeds.
+# budget, resolution, text length, precision and seeds (and per metric its options).
 PROTOCOL = (
     "prompt_file",
     "max_prompts",
     "steps",
     "guidance_scale",
     "resolution",
+    "max_sequence_length",
+    "dtype",
     "images_per_prompt",
     "seed",
 )
 
 
 def protocol_differences(summaries: Sequence[dict[str, Any]], labels: Sequence[str]) -> list[str]:
-    """``key: label=value, ...`` for every protocol setting the rows disagree on."""
-    differences = []
-    for key in PROTOCOL:
-        values = [summary.get("settings", {}).get(key) for summary in summaries]
-        if len({json.dumps(value) for value in values}) > 1:
-            pairs = ", ".join(
-                f"{label}={value}" for label, value in zip(labels, values, strict=True)
-            )
-            differences.append(f"{key}: {pairs}")
-    return differences
+    """``key: label=value, ...`` for every setting the rows disagree on, reward options
+    compared among the rows that evaluated that metric."""
+    settings = [summary.get("settings") or {} for summary in summaries]
+    differences = [_difference(key, labels, [row.get(key) for row in settings]) for key in PROTOCOL]
+    for metric in dict.fromkeys(m for summary in summaries for m in summary["metrics"]):
+        having = [i for i, summary in enumerate(summaries) if metric in summary["metrics"]]
+        options = [(settings[i].get("metric_options") or {}).get(metric, {}) for i in having]
+        differences.append(_difference(f"{metric} options", [labels[i] for i in having], options))
+    return [difference for difference in differences if difference]
+
+
+def _difference(key: str, labels: Sequence[str], values: Sequence[Any]) -> str | None:
+    shown = [json.dumps(value, sort_keys=True) for value in values]
+    if len(set(shown)) < 2:
+        return None
+    pairs = zip(labels, shown, strict=True)
+    return f"{key}: " + ", ".join(f"{label}={value}" for label, value in pairs)
 
 
 # GenEval reports the mean over its tags (single_object, counting, ...), not over images.
 TAG_AVERAGED = ("geneval", "geneval_strict")
 
 
-def metric_value(name: str, entry: dict[str, Any]) -> float:
-    """The headline number: GenEval's mean over tags for its metrics, else the image mean."""
+def metric_value(name: str, entry: Mapping[str, Any] | None) -> float:
+    """The headline number: GenEval's mean over tags for its metrics, else the image mean
+    (NaN for a metric the row did not evaluate)."""
+    if entry is None:
+        return math.nan
     value = entry.get("mean_over_tags") if name in TAG_AVERAGED else None
     value = entry.get("mean") if value is None else value
     return math.nan if value is None else float(value)
 
 
 def composite_scores(table: list[dict[str, float]], metrics: Sequence[str]) -> list[float]:
-    """Row-wise mean of per-column z-scores (population std; a constant column scores 0)."""
+    """Row-wise mean of per-column z-scores (population std; a constant column scores 0).
+
+    The miniature report's composite over its methods' seed means; ``compare`` uses
+    ``effect_composite``, which does not depend on the spread of the compared rows.
+    """
     z_rows: list[list[float]] = [[] for _ in table]
     for metric in metrics:
         present = [row[metric] for row in table if not math.isnan(row.get(metric, math.nan))]
@@ -84,17 +109,13 @@ def composite_scores(table: list[dict[str, float]], metrics: Sequence[str]) -> l
 
 
 def comparison_table(directories: Sequence[str | Path], allow_mixed_settings: bool = False) -> str:
-    """Markdown table over the eval outputs in ``directories``, in the given order.
+    """Markdown table over the eval outputs in ``directories``, in the given order (the
+    first row is the composite's reference).
 
-    Rows evaluated under different settings (``PROTOCOL``) are refused unless allowed:
-    one composite over them would rank protocols, not models.
+    Rows evaluated under different settings (``protocol_differences``) are refused unless
+    allowed: a composite over them would rank protocols, not models.
     """
     summaries = [read_summary(d) for d in directories]
-    metrics = list(dict.fromkeys(m for s in summaries for m in s["metrics"]))
-    table = [
-        {m: metric_value(m, s["metrics"][m]) if m in s["metrics"] else math.nan for m in metrics}
-        for s in summaries
-    ]
     labels = [str(s.get("label", d)) for s, d in zip(summaries, directories, strict=True)]
     differences = protocol_differences(summaries, labels)
     if differences and not allow_mixed_settings:
@@ -103,15 +124,96 @@ def comparison_table(directories: Sequence[str | Path], allow_mixed_settings: bo
             + "; ".join(differences)
             + "); evaluate them alike or pass --allow-mixed-settings"
         )
-    lines = ranked_table(labels, table, metrics)
-    lines += [
-        "",
-        "Composite: mean over metrics of per-column z-scores across these rows. "
-        "**best**, <u>second</u>.",
-    ]
+    metrics = list(dict.fromkeys(m for s in summaries for m in s["metrics"]))
+    entries = [[s["metrics"].get(m) for m in metrics] for s in summaries]
+    table = [{m: metric_value(m, e) for m, e in zip(metrics, row, strict=True)} for row in entries]
+    stds = [{m: _std(e) for m, e in zip(metrics, row, strict=True)} for row in entries]
+    composite, used = effect_composite(table, stds, metrics)
+    texts = significance_texts(table, entries, metrics)
+    lines = ranked_table(labels, table, metrics, texts, composite=composite)
+    lines += ["", composite_note(labels[0], metrics, used)]
     if differences:
         lines += ["", "Warning: the rows used different settings: " + "; ".join(differences)]
     return "\n".join(lines) + "\n"
+
+
+def _std(entry: Mapping[str, Any] | None) -> float:
+    value = None if entry is None else entry.get("std")
+    return math.nan if value is None else float(value)
+
+
+def effect_composite(
+    table: Sequence[Mapping[str, float]],
+    stds: Sequence[Mapping[str, float]],
+    metrics: Sequence[str],
+) -> tuple[list[float], list[str]]:
+    """Per row, the mean over usable metrics of ``(value - reference) / pooled std``, and
+    the metrics used: those every row has, with a per-image std in every row and some
+    spread (a std of 0 everywhere would make any difference infinite)."""
+    used = []
+    for metric in metrics:
+        values = [row.get(metric, math.nan) for row in table]
+        spreads = [row.get(metric, math.nan) for row in stds]
+        if all(math.isfinite(v) for v in values + spreads) and max(spreads) > 0:
+            used.append(metric)
+    if not used:
+        return [math.nan] * len(table), used
+    pooled = {m: math.sqrt(sum(row[m] ** 2 for row in stds) / len(stds)) for m in used}
+    reference = table[0]
+    composite = [
+        sum((row[m] - reference[m]) / pooled[m] for m in used) / len(used) for row in table
+    ]
+    return composite, used
+
+
+def significance_texts(
+    table: Sequence[Mapping[str, float]],
+    entries: Sequence[Sequence[Mapping[str, Any] | None]],
+    metrics: Sequence[str],
+) -> list[dict[str, str]]:
+    """Cell texts: the value, marked † where it differs from the first row's by more than
+    1.96 combined standard errors (each read from its 95% interval)."""
+    errors = [[_standard_error(e) for e in row] for row in entries]
+    texts = []
+    for row, row_errors in zip(table, errors, strict=True):
+        cells = {}
+        for metric, error, reference_error in zip(metrics, row_errors, errors[0], strict=True):
+            gap = abs(row[metric] - table[0][metric])
+            combined = math.hypot(error, reference_error)
+            mark = "†" if gap > 1.96 * combined else ""  # NaN compares False: no mark
+            cells[metric] = f"{row[metric]:.3f}{mark}"
+        texts.append(cells)
+    return texts
+
+
+def _standard_error(entry: Mapping[str, Any] | None) -> float:
+    """The mean's standard error implied by a 95% interval (NaN without one)."""
+    low, high = (entry or {}).get("ci95") or (None, None)
+    if low is None or high is None:
+        return math.nan
+    return (float(high) - float(low)) / (2 * 1.96)
+
+
+def composite_note(reference: str, metrics: Sequence[str], used: Sequence[str]) -> str:
+    """What the composite is, and which metrics it leaves out and why."""
+    if not used:
+        return (
+            "Composite: none (no metric that every row has comes with a per-image std). "
+            "**best**, <u>second</u>."
+        )
+    left_out = [m for m in metrics if m not in used]
+    text = (
+        f"Composite: mean over {', '.join(used)} of the difference to {reference} in units "
+        "of the metric's per-image std (pooled over rows); ~0.2 is small, ~0.8 large. "
+        f"†: differs from {reference} by more than 1.96 combined standard errors. "
+        "**best**, <u>second</u>."
+    )
+    if left_out:
+        text += (
+            f" Not in the composite (missing from a row, or without a per-image std): "
+            f"{', '.join(left_out)}."
+        )
+    return text
 
 
 def ranked_table(
@@ -120,13 +222,16 @@ def ranked_table(
     metrics: Sequence[str],
     texts: Sequence[dict[str, str]] | None = None,
     header: str = "model",
+    composite: Sequence[float] | None = None,
 ) -> list[str]:
     """Markdown lines: one row per label, the metrics plus the composite, best and second
     best per column marked. ``texts`` may replace a cell's printed number (e.g. mean ± std);
-    ``header`` names the label column(s)."""
+    ``header`` names the label column(s); ``composite`` defaults to ``composite_scores``."""
     table = [dict(row) for row in table]
-    for row, composite in zip(table, composite_scores(table, metrics), strict=True):
-        row["composite"] = composite
+    if composite is None:
+        composite = composite_scores(table, metrics)
+    for row, score in zip(table, composite, strict=True):
+        row["composite"] = score
     columns = [*metrics, "composite"]
     marks = {column: rank_marks([row[column] for row in table]) for column in columns}
     lines = [
