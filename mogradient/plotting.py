@@ -1,4 +1,4 @@
-"""PNG plots of harmonizer behaviour: conflict, weights, losses and toy trajectories.
+"""PNG plots of harmonizer behaviour: conflict, weights, losses, metrics and toy trajectories.
 
 matplotlib is optional (``pip install 'mogradient[plot]'``) and imported only when a
 function runs. Figures are drawn on an explicit Agg canvas, so plotting never changes
@@ -21,6 +21,7 @@ _PANEL_COLUMNS = 4
 _PANEL_SIZE = (3.6, 3.0)
 _TITLE_INCHES = 0.85
 _LEGEND_INCHES = 0.35
+_MARKED_POINTS = 60  # lines with at most this many points get markers
 
 
 def plot_cosine_distributions(
@@ -72,6 +73,7 @@ def plot_weight_trajectories(
         axes.set_title(method)
         axes.set_xlabel("step")
         axes.set_ylabel("w_k / sum |w|")
+        _integer_ticks(axes)
     _finish_panels(figure, panels, len(weights), title)
     return _save(figure, path)
 
@@ -90,7 +92,45 @@ def plot_loss_curves(
         axes.set_title(method)
         axes.set_xlabel("step")
         axes.set_ylabel("loss")
+        _integer_ticks(axes)
     _finish_panels(figure, panels, len(losses), title)
+    return _save(figure, path)
+
+
+def plot_metric_panels(
+    series: Mapping[str, Sequence[float] | torch.Tensor],
+    path: str | Path,
+    title: str,
+    x: Sequence[float] | torch.Tensor,
+    xlabel: str,
+    ylabel: str = "",
+    spread: Mapping[str, Sequence[float] | torch.Tensor] | None = None,
+) -> Path:
+    """One panel per series with its own y axis (rewards on scales 1 and 100 side by side).
+
+    Points are marked, so a single finite value still shows; ``spread`` (e.g. the std
+    over images) is drawn as a band of ±1 around the line; NaN values are gaps.
+    """
+    figure, panels = _panel_grid(len(series))
+    x = torch.as_tensor(x, dtype=torch.float64)
+    known = x[torch.isfinite(x)]
+    for axes, (name, values) in zip(panels, series.items(), strict=False):
+        values = torch.as_tensor(values, dtype=torch.float64)
+        axes.plot(x, values, marker="o", markersize=4, linewidth=1.2, label="mean")
+        if spread is not None and name in spread:
+            band = torch.as_tensor(spread[name], dtype=torch.float64)
+            axes.fill_between(x, values - band, values + band, alpha=0.2, label="±1 std")
+        if not torch.isfinite(values).any():
+            axes.text(
+                0.5, 0.5, "no finite value", ha="center", va="center", transform=axes.transAxes
+            )
+        axes.set_title(name)
+        axes.set_xlabel(xlabel)
+        axes.set_ylabel(ylabel)
+        if len(known):  # every panel spans the whole run, even one with a lone point
+            axes.set_xlim(float(known.min()) - 0.5, float(known.max()) + 0.5)
+        _integer_ticks(axes)
+    _finish_panels(figure, panels, len(series), title)
     return _save(figure, path)
 
 
@@ -220,12 +260,29 @@ def _draw_distribution(axes: Any, values: torch.Tensor, position: int) -> None:
 def _draw_objective_lines(
     axes: Any, values: torch.Tensor, objective_names: Sequence[str] | None
 ) -> None:
+    """One line per objective; points marked on short runs, where a lone value (or one
+    between gaps) would otherwise not be drawn at all."""
     steps = torch.arange(len(values))
+    marker = "o" if len(values) <= _MARKED_POINTS else None
     for objective in range(values.shape[1]):
         name = objective_names[objective] if objective_names else f"objective {objective + 1}"
         axes.plot(
-            steps, values[:, objective], color=f"C{objective}", linewidth=1, alpha=0.7, label=name
+            steps,
+            values[:, objective],
+            color=f"C{objective}",
+            linewidth=1,
+            alpha=0.7,
+            label=name,
+            marker=marker,
+            markersize=3,
         )
+
+
+def _integer_ticks(axes: Any) -> None:
+    """Steps and epochs are counts: no tick at 0.25."""
+    from matplotlib.ticker import MaxNLocator
+
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _draw_front(axes: Any, front: torch.Tensor) -> None:

@@ -32,17 +32,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train.epochs); the new values apply from the resumed epoch on",
     )
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    plot = commands.add_parser("plot", help="plot a run's curves and diagnostics")
-    plot.add_argument("run_dir", type=Path)
+    plot = commands.add_parser(
+        "plot",
+        help="plot a run's curves and diagnostics into <run>/plots/",
+        description="Read <run>/metrics.jsonl and write PNGs to <run>/plots/: rewards.png "
+        "(each reward's mean per epoch, one panel per reward, band ±1 std), weights.png "
+        "(the harmonizer's weight shares per optimizer step) and cosines.png (worst cosine "
+        "between the step and a reward's gradient), the last two when the run logged them. "
+        "Prints the paths written.",
+    )
+    plot.add_argument("run_dir", type=Path, help="a run directory written by `train`")
     _add_eval_parser(commands)
-    compare = commands.add_parser("compare", help="Table-1 style table over eval outputs")
-    compare.add_argument("eval_dirs", nargs="+", type=Path)
+    compare = commands.add_parser(
+        "compare",
+        help="Table-1 style table over eval outputs",
+        description="Print a markdown table of `eval` outputs: each metric's headline "
+        "number, best bold and second underlined, and a composite: the mean over the metrics "
+        "every row has of the difference to the FIRST row (list the baseline first) in units "
+        "of the metric's per-image std. A † marks a value that differs from the first row's "
+        "by more than 1.96 combined standard errors. Evaluations made with different "
+        "settings are refused.",
+    )
+    compare.add_argument(
+        "eval_dirs", nargs="+", type=Path, help="eval --out folders; the first is the reference"
+    )
     compare.add_argument("--out", type=Path, help="also write the table to this file")
     compare.add_argument(
         "--allow-mixed-settings",
         action="store_true",
-        help="compare evaluations made with different prompts, steps, resolution, images "
-        "per prompt or seed",
+        help="compare evaluations made with different prompts, steps, guidance, resolution, "
+        "sequence length, dtype, images per prompt, seed or reward options (the table then "
+        "lists the differences)",
     )
     convert = commands.add_parser(
         "convert-hps", help="open_clip checkpoint (HPS v2.1) -> transformers CLIP directory"
@@ -383,15 +403,15 @@ def _saved(config: TrainingConfig) -> str:
 def _plot(run_dir: Path) -> int:
     from mogradient_diffusion.plots import plot_run
 
-    if not (run_dir / "metrics.jsonl").exists():
+    if not (run_dir / "metrics.jsonl").is_file():
         print(
-            f"mogradient-diffusion: {run_dir} has no metrics.jsonl; is it a run directory?",
+            f"mogradient-diffusion plot: {run_dir} has no metrics.jsonl; is it a run directory?",
             file=sys.stderr,
         )
         return 2
     try:
         paths = plot_run(run_dir)
-    except ValueError as error:  # empty or damaged metrics.jsonl
+    except (OSError, ValueError) as error:  # damaged metrics.jsonl, unwritable plots/
         print(f"mogradient-diffusion plot: {error}", file=sys.stderr)
         return 2
     for path in paths:

@@ -51,6 +51,16 @@ def test_loss_curves(tmp_path: Path, toy_runs: dict[str, list[Trajectory]]) -> N
     assert_png(path)
 
 
+def test_metric_panels(tmp_path: Path) -> None:
+    # Two scales, a lone finite value between gaps and a series with none at all.
+    series = {"a": [1.0, 1.1, 1.2], "b": [float("nan"), 3.7, float("nan")], "c": [float("nan")] * 3}
+    path = plotting.plot_metric_panels(
+        series, tmp_path / "m.png", "metrics", x=[0, 1, 2], xlabel="epoch",
+        spread={"a": [0.1, 0.1, 0.1]},
+    )  # fmt: skip
+    assert_png(path)
+
+
 def test_objective_space(tmp_path: Path, toy_runs: dict[str, list[Trajectory]]) -> None:
     assert_png(plotting.plot_objective_space(cagrad_toy(), toy_runs, tmp_path / "objective.png"))
 
