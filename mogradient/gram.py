@@ -13,15 +13,20 @@ relative to the largest entry, are 5e-10, 1e-7 and 6e-3.
 The optimality gap of a QP solved on this Gram is second order in its error;
 ``upcast=True`` multiplies in float64 as well.
 
-Gradient norms may differ by many orders of magnitude. Two things keep small gradients
+Gradient norms may differ by many orders of magnitude. Three things keep small gradients
 exact: rows whose squared norm over- or underflows the multiplication dtype are scaled
-by powers of two (exact) and the Gram recomputed, and the PSD repair runs on the
+by powers of two (exact) and the Gram recomputed, with each row's power kept beside it
+(:func:`scaled_gram`), since squared norms can leave even float64's range; methods read
+the Gram as cosines and norms (:class:`CosineGram`); and the PSD repair runs on the
 unit-diagonal (cosine) matrix, where an eigen-decomposition's round-off is relative to
 each row's own norm instead of the largest one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from mogradient.native_gram import float32_gram
@@ -34,8 +39,13 @@ _UPCAST_SPAN_BLOCKS = 64
 def gram_matrix(
     jacobian: torch.Tensor, block_columns: int = DEFAULT_BLOCK_COLUMNS, upcast: bool = False
 ) -> torch.Tensor:
-    """Return the K x K float64 Gram matrix ``J @ J.T`` of a K x D stack, symmetric PSD."""
-    return make_psd(accumulate_gram(jacobian, block_columns, upcast))
+    """Return the K x K float64 Gram matrix ``J @ J.T`` of a K x D stack, symmetric PSD.
+
+    Entries beyond float64's range (rows below ~1e-154 or above ~1e154) are rounded to
+    zero, a subnormal or Inf; :func:`scaled_gram` keeps them.
+    """
+    scaled, exponents = scaled_gram(jacobian, block_columns, upcast)
+    return unscaled(make_psd(scaled), exponents)
 
 
 def accumulate_gram(
@@ -45,6 +55,19 @@ def accumulate_gram(
 
     Rows with NaN or Inf only spoil their own row and column, so callers can drop them
     first and make the rest PSD.
+    """
+    return unscaled(*scaled_gram(jacobian, block_columns, upcast))
+
+
+def scaled_gram(
+    jacobian: torch.Tensor, block_columns: int = DEFAULT_BLOCK_COLUMNS, upcast: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``J @ J.T`` as (S, e) with J J^T = diag(2^e) S diag(2^e): float64 S, integer e.
+
+    Why: a row's squared norm leaves float64's range where its norm does not (a float64
+    row at 1e-160 squares to 1e-320), so rows that over- or underflow are scaled by
+    powers of two, exactly, and each power is kept instead of being multiplied back in.
+    e is zero for rows that need no scaling, and for zero or non-finite rows.
     """
     if jacobian.ndim != 2:
         raise ValueError(
@@ -58,12 +81,22 @@ def accumulate_gram(
     convert = compute_dtype != jacobian.dtype
     span = block_columns * _UPCAST_SPAN_BLOCKS if convert else max(dim, 1)
     gram = _summed_products(jacobian, compute_dtype, block_columns, span, None)
+    exponents = torch.zeros(jacobian.shape[0], dtype=torch.int64)
     suspect = _out_of_range(torch.diagonal(gram), compute_dtype, dim)
     if suspect.any() and _rescalable(jacobian[suspect.to(jacobian.device)]).any():
-        scales = _power_of_two_row_scales(jacobian)
-        scaled = _summed_products(jacobian, compute_dtype, block_columns, span, scales)
-        gram = scaled / torch.outer(scales, scales).to(torch.float64)
-    return 0.5 * (gram + gram.T)
+        exponents = _row_exponents(jacobian)
+        gram = _summed_products(jacobian, compute_dtype, block_columns, span, exponents)
+    return 0.5 * (gram + gram.T), exponents
+
+
+def unscaled(scaled: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """diag(2^e) S diag(2^e) in float64: exact, except where it leaves float64's range
+    (rounded to a subnormal, zero or Inf). One power per entry, so nothing overflows on
+    the way to a representable result."""
+    powers = exponents.cpu().numpy()
+    with np.errstate(over="ignore", under="ignore"):
+        values = np.ldexp(scaled.cpu().numpy(), powers[:, None] + powers[None, :])
+    return torch.from_numpy(values).to(scaled.device)
 
 
 def _summed_products(
@@ -71,24 +104,40 @@ def _summed_products(
     compute_dtype: torch.dtype,
     block_columns: int,
     span: int,
-    row_scales: torch.Tensor | None,
+    row_exponents: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Float64 sum of blocked products over column spans, rows optionally scaled first."""
-    if row_scales is None and compute_dtype == jacobian.dtype:
+    """Float64 sum of blocked products over column spans, rows optionally scaled by 2^-e."""
+    if row_exponents is None and compute_dtype == jacobian.dtype:
         native = float32_gram(jacobian)
         if native is not None:
             return native
     size = jacobian.shape[0]
     gram = torch.zeros(size, size, dtype=torch.float64, device=jacobian.device)
-    if row_scales is not None:
+    if row_exponents is not None:
         span = min(span, block_columns * _UPCAST_SPAN_BLOCKS)
-        row_scales = row_scales.to(compute_dtype)[:, None]
+        factors = _half_step_factors(row_exponents, compute_dtype, jacobian.device)
     for start in range(0, jacobian.shape[1], span):
         piece = jacobian[:, start : start + span].to(compute_dtype)
-        if row_scales is not None:
-            piece = piece * row_scales
+        if row_exponents is not None:
+            piece = piece * factors[0] * factors[1]
         gram += _blocked_products(piece, block_columns)
     return gram
+
+
+def _half_step_factors(
+    exponents: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two columns of powers of two whose product is 2^-e, each representable in ``dtype``.
+
+    Why two: a subnormal float32 row (1e-40) needs 2^132, beyond float32's range, while
+    each half (2^66) is not; multiplying by either is exact.
+    """
+    first = exponents // 2
+    ones = torch.ones(len(exponents), dtype=torch.float64)
+    return tuple(
+        torch.ldexp(ones, -part).to(dtype=dtype, device=device)[:, None]
+        for part in (first, exponents - first)
+    )
 
 
 def _out_of_range(squared_norms: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
@@ -115,15 +164,15 @@ def _rescalable(rows: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(largest) & (largest > 0)
 
 
-def _power_of_two_row_scales(jacobian: torch.Tensor) -> torch.Tensor:
-    """Per-row 2^-e with max|row| * 2^-e in [0.5, 1): an exact rescaling of each row.
+def _row_exponents(jacobian: torch.Tensor) -> torch.Tensor:
+    """Per-row e with max|row| * 2^-e in [0.5, 1): the exponent of an exact rescaling.
 
-    Rows that are zero or hold NaN/Inf keep scale 1 (they stay zero or non-finite).
+    Rows that are zero or hold NaN/Inf get 0 (they stay zero or non-finite).
     """
-    largest = _largest_entries(jacobian)
+    largest = _largest_entries(jacobian).cpu()
     usable = torch.isfinite(largest) & (largest > 0)
     _, exponents = torch.frexp(torch.where(usable, largest, torch.ones_like(largest)))
-    return torch.where(usable, torch.ldexp(torch.ones_like(largest), -exponents), 1.0)
+    return torch.where(usable, exponents.to(torch.int64), 0)
 
 
 def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
@@ -175,10 +224,67 @@ def make_psd(gram: torch.Tensor) -> torch.Tensor:
         return gram
     norms = torch.sqrt(torch.diagonal(gram).clamp_min(0))
     inverse = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
-    cosines = gram * torch.outer(inverse, inverse)
+    repaired = _clipped(gram * torch.outer(inverse, inverse))
+    if repaired is None:
+        return gram
+    return repaired * torch.outer(norms, norms)
+
+
+def _clipped(cosines: torch.Tensor) -> torch.Tensor | None:
+    """The symmetric matrix with the negative eigenvalues of ``cosines`` set to zero,
+    or None when there are none."""
     eigenvalues, eigenvectors = torch.linalg.eigh(cosines)
     if eigenvalues.min() >= 0:
-        return gram
+        return None
     repaired = (eigenvectors * eigenvalues.clamp_min(0)) @ eigenvectors.T
-    psd = 0.5 * (repaired + repaired.T) * torch.outer(norms, norms)
-    return psd
+    return 0.5 * (repaired + repaired.T)
+
+
+@dataclass(frozen=True)
+class CosineGram:
+    """The Gram of K non-zero finite gradients as G = 4^exponent diag(n) C diag(n).
+
+    Why: G holds squared norms, which leave float64's range where the norms do not (a
+    float64 gradient at 1e-160, alone or beside one at 1), so the harmonizers read the
+    cosines C (symmetric PSD, unit diagonal, round-off negative eigenvalues clipped) and
+    the norms n (the largest in [0.5, 1); ||g_k|| = n_k 2^exponent) and work in each
+    gradient's own units.
+    """
+
+    cosines: torch.Tensor
+    norms: torch.Tensor
+    exponent: int
+
+    @classmethod
+    def from_scaled(cls, scaled: torch.Tensor, exponents: torch.Tensor) -> CosineGram:
+        """From S and e of :func:`scaled_gram` (G = diag(2^e) S diag(2^e)); S's diagonal
+        must be positive and finite."""
+        scaled = scaled.to(torch.float64).cpu()
+        sizes = torch.sqrt(torch.diagonal(scaled))
+        cosines = scaled / torch.outer(sizes, sizes)
+        cosines = 0.5 * (cosines + cosines.T)
+        repaired = _clipped(cosines)
+        if repaired is not None:
+            diagonal = torch.sqrt(torch.diagonal(repaired))
+            cosines = repaired / torch.outer(diagonal, diagonal)
+        cosines.fill_diagonal_(1.0)
+        mantissas, powers = torch.frexp(sizes)
+        powers = powers.to(torch.int64) + exponents.cpu()
+        top = int(powers.max())
+        norms = np.ldexp(mantissas.numpy(), (powers - top).numpy())
+        return cls(cosines, torch.from_numpy(norms), top)
+
+    def __len__(self) -> int:
+        return len(self.norms)
+
+    def matrix(self) -> torch.Tensor:
+        """diag(n) C diag(n): G / 4^exponent, whose largest diagonal entry is in [0.25, 1).
+
+        Entries of gradients below ~1e-154 of the largest underflow: methods that must
+        resolve those read ``cosines`` and ``norms``.
+        """
+        return self.cosines * torch.outer(self.norms, self.norms)
+
+    def subset(self, indices: torch.Tensor) -> CosineGram:
+        """The Gram of the gradients at ``indices`` (same exponent)."""
+        return CosineGram(self.cosines[indices][:, indices], self.norms[indices], self.exponent)

@@ -53,26 +53,43 @@ def solve_cone_qp(gram: np.ndarray, lower: np.ndarray, backend: str = "builtin")
     """Minimize ``v @ gram @ v`` subject to ``v >= lower``.
 
     ``backend`` is ``"builtin"`` (exact active set, default), ``"cvxpy"`` or
-    ``"qpsolvers:<solver>"``. The built-in solver works in the span coordinates of the
-    cosine matrix C = D^-1 G D^-1 (D = diag(||g_k||)), which stays well-conditioned when
-    the gradients' norms differ by many orders of magnitude; the external backends get
-    G / max(diag G) and lower / max|lower|. Results do not depend on overall scales.
-    When ``gram`` is singular ``v`` need not be unique, but ``J^T v`` (the projection) is;
-    the built-in solver returns v >= lower unless every such v cancels (is 1000x larger
-    than the min-norm weights giving the same projection), and then the min-norm weights,
-    which may fall below ``lower``. Objectives with a zero row keep ``v_k = lower_k``.
+    ``"qpsolvers:<solver>"``. The built-in solver works in the span
+    coordinates of the cosine matrix C = D^-1 G D^-1 (D = diag(||g_k||)), which stays
+    well-conditioned when the gradients' norms differ by many orders of magnitude; the
+    external backends get G / max(diag G) and lower / max|lower|. Results do not depend
+    on overall scales. When ``gram`` is singular ``v`` need not be unique, but ``J^T v``
+    (the projection) is; the built-in solver returns v >= lower unless every such v
+    cancels (is 1000x larger than the min-norm weights giving the same projection), and
+    then the min-norm weights, which may fall below ``lower``. Objectives with a zero row
+    keep ``v_k = lower_k``.
     """
     gram, lower = _validated(gram, lower)
-    gram_scale = float(np.max(np.diag(gram)))
+    norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
+    inverse = np.where(norms > 0, 1.0 / np.where(norms > 0, norms, 1.0), 0.0)
+    return solve_cone_qp_factored(gram * np.outer(inverse, inverse), norms, lower, backend)
+
+
+def solve_cone_qp_factored(
+    cosines: np.ndarray, norms: np.ndarray, lower: np.ndarray, backend: str = "builtin"
+) -> ConeQPSolution:
+    """The same QP for G = diag(norms) cosines diag(norms) (norms >= 0; a zero norm's
+    cosines are ignored), for callers that hold the Gram as cosines and norms
+    (:class:`mogradient.gram.CosineGram`). The objective is in units of ``norms`` squared.
+    """
+    cosines = np.asarray(cosines, dtype=np.float64)
+    norms = np.asarray(norms, dtype=np.float64)
+    lower = np.asarray(lower, dtype=np.float64)
+    top = float(np.max(norms))
     lower_scale = float(np.max(np.abs(lower)))
-    if gram_scale <= 0.0 or lower_scale == 0.0:
+    if top <= 0.0 or lower_scale == 0.0:
         # Every feasible v (in particular v = lower) is optimal, or v = lower = 0.
-        return ConeQPSolution(lower.copy(), float(lower @ gram @ lower), 0.0, backend)
-    normalized_gram = gram / gram_scale
+        return ConeQPSolution(lower.copy(), _objective(cosines, norms, lower), 0.0, backend)
+    sizes = norms / top
     normalized_lower = lower / lower_scale
     if backend == "builtin":
-        weights, residual = _solve_builtin(normalized_gram, normalized_lower)
+        weights, residual = _solve_builtin(cosines, sizes, normalized_lower)
     elif backend == "cvxpy" or backend.startswith("qpsolvers:"):
+        normalized_gram = cosines * np.outer(sizes, sizes)
         if backend == "cvxpy":
             weights = solve_with_cvxpy(normalized_gram, normalized_lower)
         else:
@@ -91,10 +108,15 @@ def solve_cone_qp(gram: np.ndarray, lower: np.ndarray, backend: str = "builtin")
         weights = np.maximum(weights, lower)  # rescaling round-off must not cross the bound
     return ConeQPSolution(
         weights=weights,
-        objective=float(weights @ gram @ weights),
+        objective=_objective(cosines, norms, weights),
         kkt_residual=residual,
         backend=backend,
     )
+
+
+def _objective(cosines: np.ndarray, norms: np.ndarray, weights: np.ndarray) -> float:
+    contributions = weights * norms
+    return float(contributions @ cosines @ contributions)
 
 
 def near_dependent(gram: np.ndarray) -> bool:
@@ -158,19 +180,20 @@ def cone_kkt_residual(gram: np.ndarray, lower: np.ndarray, weights: np.ndarray) 
     return max(dual, primal, complementarity)
 
 
-def _solve_builtin(gram: np.ndarray, lower: np.ndarray) -> tuple[np.ndarray, float]:
+def _solve_builtin(
+    cosines: np.ndarray, norms: np.ndarray, lower: np.ndarray
+) -> tuple[np.ndarray, float]:
     """Weights giving the projection J^T v*, and the KKT residual of the solve.
 
     The residual is measured where it is accurate: projection optimality in the span
     coordinates (see :func:`_projection_residual`), and the conflict cosines
     -(G w)_k / (||g_k|| ||J^T lower||) of the weights actually returned.
     """
-    norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
     rows = norms > 0
     weights = lower.copy()
     if not np.any(rows):
         return weights, 0.0
-    factor = coordinates_from_cosines(gram[np.ix_(rows, rows)] / np.outer(norms[rows], norms[rows]))
+    factor = coordinates_from_cosines(cosines[np.ix_(rows, rows)])
     target = lower[rows] * norms[rows]
     point = factor @ target
     multipliers, projection = _nonnegative_least_squares(factor, point)
@@ -185,7 +208,8 @@ def _solve_builtin(gram: np.ndarray, lower: np.ndarray) -> tuple[np.ndarray, flo
     size = float(np.linalg.norm(point))
     if size == 0.0:
         return weights, 0.0
-    conflict = -(gram[rows] @ weights) / (norms[rows] * size)
+    # (G w)_k / ||g_k|| = sum_j cos_kj ||g_j|| w_j: no product of two norms is formed.
+    conflict = -(cosines[rows] @ (weights * norms)) / size
     residual = max(
         _projection_residual(factor, point, multipliers, projection), float(np.max(conflict))
     )

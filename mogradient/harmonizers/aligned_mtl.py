@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
 from mogradient.harmonizers.upgrad import preferences_for
 
@@ -33,10 +34,11 @@ class AlignedMTL(Harmonizer):
         self.pref_vector = validated_preferences(pref_vector, "pref_vector")
         self.scale_mode = scale_mode
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         preferences = preferences_for(self.pref_vector, objectives)
-        scale = torch.diagonal(gram).max()
-        eigenvalues, eigenvectors = torch.linalg.eigh(gram / scale)
+        # Gradients below ~1e-154 of the largest underflow here: below this method's own
+        # rank tolerance (K eps of the largest eigenvalue) they count as zero anyway.
+        eigenvalues, eigenvectors = torch.linalg.eigh(gram.matrix())
         tolerance = eigenvalues.max() * len(gram) * torch.finfo(torch.float64).eps
         kept = eigenvalues > tolerance
         eigenvalues, eigenvectors = eigenvalues[kept], eigenvectors[:, kept]

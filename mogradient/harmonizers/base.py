@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mogradient.errors import SolverError
-from mogradient.gram import accumulate_gram, make_psd
+from mogradient.gram import CosineGram, scaled_gram, unscaled
 
 # Columns per block of the batched direction product (large enough that per-block
 # overhead is negligible, small enough that mid-sized stacks still split over threads).
@@ -69,10 +69,12 @@ class Harmonizer(ABC):
         if jacobian is not None:
             # Harmonization is not part of the graph: never backpropagate through it.
             jacobian = _validated_jacobian(jacobian).detach()
-            gram = accumulate_gram(jacobian)
+            scaled, exponents = scaled_gram(jacobian)
+            gram = unscaled(scaled, exponents)
         else:
             gram = _validated_gram(gram).detach()
-        valid = _usable_objectives(gram)
+            scaled, exponents = gram, torch.zeros(len(gram), dtype=torch.int64)
+        valid = _usable_objectives(scaled)
         num_objectives = gram.shape[0]
         dropped = tuple(int(index) for index in torch.nonzero(~valid).flatten())
         weights = torch.zeros(num_objectives, dtype=torch.float64)
@@ -80,7 +82,9 @@ class Harmonizer(ABC):
             weighting = Weighting(weights, fallback="no_usable_objective")
         else:
             objectives = torch.nonzero(valid).flatten()
-            sub_gram = make_psd(gram[objectives][:, objectives].cpu())
+            sub_gram = CosineGram.from_scaled(
+                scaled.cpu()[objectives][:, objectives], exponents[objectives]
+            )
             weighting = self.weigh(sub_gram, objectives)
             if weighting.weights.shape != (len(objectives),):
                 raise RuntimeError(
@@ -97,7 +101,7 @@ class Harmonizer(ABC):
         extra_dropped = tuple(weighting.extras.get("dropped", ()))
         direction = weighting.direction
         if direction is None and jacobian is not None:
-            direction = combine(jacobian, weights, torch.isfinite(torch.diagonal(gram)))
+            direction = combine(jacobian, weights, torch.isfinite(torch.diagonal(scaled)))
         return Harmonization(
             weights=weights,
             direction=direction,
@@ -109,11 +113,13 @@ class Harmonizer(ABC):
         )
 
     @abstractmethod
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         """Weights for the usable objectives.
 
-        ``gram`` is their float64 PSD Gram matrix (K' x K', K' >= 1, every diagonal
-        entry positive and finite); ``objectives`` holds their indices in the caller's
+        ``gram`` is their Gram matrix as cosines and norms (K' >= 1 gradients, every
+        norm positive): read ``gram.cosines`` and ``gram.norms`` to resolve gradients of
+        any size, or ``gram.matrix()``, the Gram up to a common power of two, where the
+        smallest may underflow. ``objectives`` holds their indices in the caller's
         numbering, for methods that keep per-objective state.
         """
 
@@ -121,7 +127,7 @@ class Harmonizer(ABC):
         self,
         jacobian: torch.Tensor,
         objectives: torch.Tensor,
-        gram: torch.Tensor,
+        gram: CosineGram,
         weighting: Weighting,
     ) -> Weighting | None:
         """A more exact weighting computed on the stack's usable rows, or None to keep it.
@@ -290,11 +296,12 @@ def _validated_gram(gram: torch.Tensor) -> torch.Tensor:
 
 
 def _usable_objectives(gram: torch.Tensor) -> torch.Tensor:
-    """Objectives whose gradient is finite and not exactly zero, read off the Gram's diagonal.
+    """Objectives whose gradient is finite and not exactly zero, read off the diagonal of
+    the row-scaled Gram (:func:`~mogradient.gram.scaled_gram`).
 
     A NaN or Inf anywhere in a gradient makes its squared norm non-finite; the other
-    objectives' entries stay usable. A small gradient is still a gradient: the Gram
-    keeps it exact at any norm spread, and scale-aware methods treat it as such.
+    objectives' entries stay usable. A small gradient is still a gradient: the scaled
+    Gram keeps it exact at any norm, and the methods read it in its own units.
     """
     diagonal = torch.diagonal(gram).cpu()
     return torch.isfinite(diagonal) & (diagonal > 0)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting
 from mogradient.qp_cone import near_dependent
 from mogradient.span import coordinates_from_cosines, coordinates_from_stack
@@ -59,21 +60,20 @@ class CAGrad(Harmonizer):
         self.c = float(c)
         self.rescale = bool(rescale)
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
-        sizes = np.sqrt(np.diag(gram.numpy()))
-        cosines = gram.numpy() / sizes[:, None] / sizes[None, :]
-        np.fill_diagonal(cosines, 1.0)
-        return self._weighting(coordinates_from_cosines(cosines), sizes / sizes.max()).weighting
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+        sizes = gram.norms.numpy()
+        coordinates = coordinates_from_cosines(gram.cosines.numpy())
+        return self._weighting(coordinates, sizes / sizes.max()).weighting
 
     def refine(
         self,
         jacobian: torch.Tensor,
         objectives: torch.Tensor,
-        gram: torch.Tensor,
+        gram: CosineGram,
         weighting: Weighting,
     ) -> Weighting | None:
         """Re-solve on the stack's QR coordinates when the Gram says near-dependent."""
-        if not near_dependent(gram.numpy()):
+        if not near_dependent(gram.cosines.numpy()):
             return None
         basis, coordinates, sizes = coordinates_from_stack(jacobian[objectives.to(jacobian.device)])
         solved = self._weighting(coordinates, sizes / sizes.max())

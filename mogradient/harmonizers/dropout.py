@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
 
 
@@ -55,7 +56,7 @@ class RewardDropout(Harmonizer):
             return self.probability
         return self.probability * min(1.0, self.step / self.warmup_steps)
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         probability = self.current_probability()
         self.step += 1
         droppable = torch.tensor(
@@ -66,7 +67,7 @@ class RewardDropout(Harmonizer):
         if not keep.any():
             keep[int(torch.randint(len(objectives), (1,), generator=self._generator))] = True
         kept = torch.nonzero(keep).flatten()
-        inner = self.inner.weigh(gram[kept][:, kept], objectives[kept])
+        inner = self.inner.weigh(gram.subset(kept), objectives[kept])
         weights = torch.zeros(len(objectives), dtype=torch.float64)
         weights[kept] = inner.weights
         dropped = [int(index) for index in objectives[~keep]]

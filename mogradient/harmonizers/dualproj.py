@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
 from mogradient.harmonizers.upgrad import (
+    cone_problem,
     preferences_for,
     refined_on_stack,
-    regularized_gram,
     validated_reg_eps,
 )
-from mogradient.qp_cone import solve_cone_qp
+from mogradient.qp_cone import solve_cone_qp_factored
 
 
 class DualProj(Harmonizer):
@@ -36,17 +37,17 @@ class DualProj(Harmonizer):
         self.backend = backend
         self.refine_on_stack = bool(refine)
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         lower = preferences_for(self.pref_vector, objectives).numpy()
-        qp_gram = regularized_gram(gram, self.reg_eps).numpy()
-        solution = solve_cone_qp(qp_gram, lower, backend=self.backend)
+        cosines, norms = cone_problem(gram, self.reg_eps)
+        solution = solve_cone_qp_factored(cosines, norms, lower, backend=self.backend)
         return Weighting(torch.from_numpy(solution.weights), kkt_residual=solution.kkt_residual)
 
     def refine(
         self,
         jacobian: torch.Tensor,
         objectives: torch.Tensor,
-        gram: torch.Tensor,
+        gram: CosineGram,
         weighting: Weighting,
     ) -> Weighting | None:
         lower = preferences_for(self.pref_vector, objectives).numpy()

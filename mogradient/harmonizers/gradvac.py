@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
 
 
@@ -56,11 +57,13 @@ class GradVac(Harmonizer):
         super().load_state_dict(state)
         self._targets = dict(state.get("targets", {}))
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         count = len(objectives)
         names = [int(index) for index in objectives]
-        gram = gram / torch.diagonal(gram).max()
-        norms = torch.sqrt(torch.diagonal(gram))
+        # Gradients below ~1e-154 of the largest underflow here: eps (relative to the
+        # largest norm) already makes their corrections vanish.
+        norms = gram.norms / gram.norms.max()
+        gram = gram.cosines * torch.outer(norms, norms)
         coefficients = torch.eye(count, dtype=torch.float64)
         corrections = 0
         for task in range(count):

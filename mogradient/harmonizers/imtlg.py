@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting
 
 
@@ -28,10 +29,9 @@ class IMTLG(Harmonizer):
     projection positive.
     """
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         count = len(gram)
-        norms = torch.sqrt(torch.diagonal(gram))
-        cosines = gram / torch.outer(norms, norms)
+        norms, cosines = gram.norms, gram.cosines
         eigenvalues, eigenvectors = torch.linalg.eigh(cosines)
         tolerance = eigenvalues.max() * count * torch.finfo(torch.float64).eps
         if eigenvalues.min() > 1e3 * tolerance:
@@ -44,13 +44,11 @@ class IMTLG(Harmonizer):
             magnitude = (unit.abs() / norms).sum()
         else:
             # Linearly dependent gradients: the pseudo-inverse generalization.
-            normalized = gram / torch.diagonal(gram).max()
-            unit_norms = torch.sqrt(torch.diagonal(normalized))
-            inverse = torch.linalg.pinv(normalized, hermitian=True)
-            coefficients = inverse @ unit_norms
-            magnitude = math.sqrt(count) * unit_norms.norm() * torch.linalg.matrix_norm(inverse, 2)
+            inverse = torch.linalg.pinv(gram.matrix(), hermitian=True)
+            coefficients = inverse @ norms
+            magnitude = math.sqrt(count) * norms.norm() * torch.linalg.matrix_norm(inverse, 2)
         total = coefficients.sum()
-        projections = gram @ coefficients / norms
+        projections = cosines @ (coefficients * norms)
         spread = (projections - projections.mean()).abs().max()
         residual = float(spread / projections.abs().max()) if spread > 0 else 0.0
         if total.abs() <= 1e-10 * magnitude:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
-from mogradient.qp import solve_simplex_qp
+from mogradient.qp import solve_simplex_qp_factored
 
 
 class MGDA(Harmonizer):
@@ -33,10 +34,12 @@ class MGDA(Harmonizer):
         self.alpha_floor = float(alpha_floor)
         self.backend = backend
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
-        norms = torch.sqrt(torch.diagonal(gram))
-        qp_gram = gram / torch.outer(norms, norms) if self.normalize else gram
-        solution = solve_simplex_qp(qp_gram.numpy(), backend=self.backend)
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+        norms = gram.norms
+        qp_norms = torch.ones_like(norms) if self.normalize else norms
+        solution = solve_simplex_qp_factored(
+            gram.cosines.numpy(), qp_norms.numpy(), backend=self.backend
+        )
         alpha = self._adjusted(torch.from_numpy(solution.weights), objectives)
         weights = norms.mean() * alpha / norms if self.normalize else alpha
         return Weighting(

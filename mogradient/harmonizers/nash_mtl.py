@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting
 
 # Newton's answer is accepted only if it solves G alpha = 1/alpha to this relative accuracy;
@@ -20,14 +22,16 @@ class NashMTL(Harmonizer):
     i.e. G alpha = 1 / alpha. That is the stationarity condition of the strictly convex,
     self-concordant phi(a) = a^T G a / 2 - sum_k log a_k, so damped Newton (Nesterov's
     step 1 / (1 + decrement), then full steps) in float64 solves it to round-off, unlike
-    the paper's few rounds of a linearized cvxpy problem. We solve on G / mean(diag G)
-    and rescale: alpha scales as 1 / sqrt(scale).
+    the paper's few rounds of a linearized cvxpy problem. We solve it in each gradient's
+    own units: with G = N C N (N the norms, C the cosines), beta = N alpha solves
+    C beta = 1 / beta, which does not involve the norms at all (Newton's iterates are the
+    same under this change of variables); then alpha_k = beta_k / ||g_k||.
 
     If some non-negative combination of the gradients is zero (a Pareto-stationary point)
     phi is unbounded below and no solution exists: no direction improves every objective,
     so the weights are zero (``fallback="pareto_stationary"``). A ridged solve would
     return huge weights that cancel, which an amortized cache must never keep.
-    ``kkt_residual`` is ||G alpha - 1/alpha|| / ||1/alpha||.
+    ``kkt_residual`` is ||C beta - 1/beta|| / ||1/beta||.
 
     At the solution ||d||^2 = alpha^T G alpha = K whatever the gradients' scale. As in the
     authors' code (and TorchJD), ``max_norm > 0`` rescales alpha so that ||d|| <= max_norm
@@ -50,22 +54,21 @@ class NashMTL(Harmonizer):
         self.tolerance = float(tolerance)
         self.max_iterations = int(max_iterations)
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
-        scale = torch.diagonal(gram).mean()
-        normalized = gram / scale
-        alpha, iterations = self._newton(normalized)
-        if alpha is None:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+        beta, iterations = self._newton(gram.cosines)
+        if beta is None:
             zeros = torch.zeros(len(gram), dtype=torch.float64)
             return Weighting(
                 zeros, fallback="pareto_stationary", extras={"newton_iterations": iterations}
             )
-        residual = _relative_residual(normalized, alpha)
-        alpha = alpha / scale.sqrt()
-        direction_norm = float(torch.sqrt((alpha @ gram @ alpha).clamp_min(0)))
+        residual = _relative_residual(gram.cosines, beta)
+        # ||d|| = ||sum_k beta_k u_k||: no norm enters.
+        direction_norm = float(torch.sqrt((beta @ gram.cosines @ beta).clamp_min(0)))
         if self.max_norm > 0 and direction_norm > self.max_norm:
-            alpha = alpha * (self.max_norm / direction_norm)
+            beta = beta * (self.max_norm / direction_norm)
+        alpha = np.ldexp((beta / gram.norms).numpy(), -gram.exponent)
         return Weighting(
-            alpha,
+            torch.from_numpy(alpha),
             kkt_residual=residual,
             extras={"newton_iterations": iterations, "bargaining_norm": direction_norm},
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
 
 
@@ -11,8 +12,10 @@ class PCGrad(Harmonizer):
     """Project conflicting gradients onto each other's normal planes (Yu et al. 2020, PCGrad).
 
     Every projected gradient is a linear combination of the raw ones, so we track its
-    coefficients and take inner products through the Gram matrix; the result is exact
-    and costs O(K^3) on a K x K matrix instead of passes over D parameters.
+    coefficients on the unit gradients and take inner products through the cosines;
+    removing the part along u_j is then subtracting (v . u_j) from u_j's coefficient,
+    exact at any spread of norms, and costs O(K^3) on a K x K matrix instead of passes
+    over D parameters. Raw weights are those coefficients divided by the norms.
     ``reduction="sum"`` follows the paper's Algorithm 1; ``"mean"`` divides by K.
     """
 
@@ -23,17 +26,17 @@ class PCGrad(Harmonizer):
         self.seed = seed
         self._generator = seeded_generator(seed)
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         count = len(objectives)
-        coefficients = torch.eye(count, dtype=torch.float64)
+        coefficients = torch.diag(gram.norms)
         for task in range(count):
             for other in torch.randperm(count, generator=self._generator).tolist():
                 if other == task:
                     continue
-                dot = coefficients[task] @ gram[:, other]
+                dot = coefficients[task] @ gram.cosines[:, other]
                 if dot < 0:
-                    coefficients[task, other] -= dot / gram[other, other]
-        weights = coefficients.sum(dim=0)
+                    coefficients[task, other] -= dot
+        weights = coefficients.sum(dim=0) / gram.norms
         if self.reduction == "mean":
             weights = weights / count
         return Weighting(weights)

@@ -7,8 +7,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
-from mogradient.qp_cone import near_dependent, project_in_span, solve_cone_qp
+from mogradient.qp_cone import near_dependent, project_in_span, solve_cone_qp_factored
 from mogradient.span import coordinates_from_stack
 
 
@@ -41,9 +42,9 @@ class UPGrad(Harmonizer):
         self.backend = backend
         self.refine_on_stack = bool(refine)
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         preferences = preferences_for(self.pref_vector, objectives).numpy()
-        qp_gram = regularized_gram(gram, self.reg_eps).numpy()
+        cosines, norms = cone_problem(gram, self.reg_eps)
         weights = torch.zeros(len(objectives), dtype=torch.float64)
         residual = 0.0
         for index, preference in enumerate(preferences):
@@ -51,7 +52,7 @@ class UPGrad(Harmonizer):
                 continue  # min v^T G v over v >= 0 is v = 0.
             lower = np.zeros(len(objectives))
             lower[index] = preference
-            solution = solve_cone_qp(qp_gram, lower, backend=self.backend)
+            solution = solve_cone_qp_factored(cosines, norms, lower, backend=self.backend)
             weights += torch.from_numpy(solution.weights)
             residual = max(residual, solution.kkt_residual)
         return Weighting(weights, kkt_residual=residual)
@@ -60,7 +61,7 @@ class UPGrad(Harmonizer):
         self,
         jacobian: torch.Tensor,
         objectives: torch.Tensor,
-        gram: torch.Tensor,
+        gram: CosineGram,
         weighting: Weighting,
     ) -> Weighting | None:
         lowers = [
@@ -85,14 +86,14 @@ def refined_on_stack(
     settings: DualConeSettings,
     jacobian: torch.Tensor,
     objectives: torch.Tensor,
-    gram: torch.Tensor,
+    gram: CosineGram,
     lowers: list[np.ndarray],
 ) -> Weighting | None:
     """The sum over ``lowers`` of dual-cone projections solved on the stack, for the exact
     method (refinement on, no TorchJD ridge, the built-in solver) when the Gram says the
     gradients are near-dependent."""
     exact = settings.refine_on_stack and settings.reg_eps == 0 and settings.backend == "builtin"
-    if not (exact and near_dependent(gram.numpy())):
+    if not (exact and near_dependent(gram.cosines.numpy())):
         return None
     basis, coordinates, norms = coordinates_from_stack(jacobian[objectives.to(jacobian.device)])
     weights = np.zeros(len(objectives))
@@ -141,9 +142,12 @@ def validated_reg_eps(reg_eps: float) -> float:
     return reg_eps
 
 
-def regularized_gram(gram: torch.Tensor, reg_eps: float) -> torch.Tensor:
-    """G itself, or TorchJD's G / trace(G) + reg_eps * I when ``reg_eps > 0``."""
+def cone_problem(gram: CosineGram, reg_eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Cosines and norms of the dual-cone QP's matrix: the Gram itself, read in each
+    gradient's own units, or TorchJD's G / trace(G) + reg_eps * I when ``reg_eps > 0``."""
     if reg_eps == 0:
-        return gram
-    normalized = gram / torch.trace(gram)
-    return normalized + reg_eps * torch.eye(len(gram), dtype=gram.dtype)
+        return gram.cosines.numpy(), gram.norms.numpy()
+    matrix = gram.matrix()
+    matrix = matrix / torch.trace(matrix) + reg_eps * torch.eye(len(matrix), dtype=matrix.dtype)
+    norms = torch.sqrt(torch.diagonal(matrix))
+    return (matrix / torch.outer(norms, norms)).numpy(), norms.numpy()

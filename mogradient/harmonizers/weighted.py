@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mogradient.gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
 
 
@@ -20,7 +21,7 @@ class FixedWeights(Harmonizer):
     def __init__(self, weights: list[float] | torch.Tensor | None = None) -> None:
         self.weights = None if weights is None else _checked_weights(weights)
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         if self.weights is None:
             return Weighting(torch.ones(len(objectives), dtype=torch.float64))
         if int(objectives.max()) >= len(self.weights):
@@ -44,7 +45,7 @@ def _checked_weights(weights: list[float] | torch.Tensor) -> torch.Tensor:
 class Mean(Harmonizer):
     """Average of the usable gradients (equal weights 1/K)."""
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         count = len(objectives)
         return Weighting(torch.full((count,), 1.0 / count, dtype=torch.float64))
 
@@ -56,6 +57,6 @@ class RandomWeights(Harmonizer):
         self.seed = seed
         self._generator = seeded_generator(seed)
 
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
         logits = torch.randn(len(objectives), generator=self._generator, dtype=torch.float64)
         return Weighting(torch.softmax(logits, dim=0))
