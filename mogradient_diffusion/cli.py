@@ -246,6 +246,8 @@ def _run_flags(args: argparse.Namespace) -> dict:
     given = {name: getattr(args, name) for name in RUN_FLAGS if getattr(args, name) is not None}
     config_path, from_run = run_defaults(args.lora)
     taken = {name: value for name, value in from_run.items() if name not in given}
+    if args.steps_sweep is not None:  # the sweep's counts replace the run's steps
+        taken.pop("steps", None)
     if taken:
         listed = ", ".join(f"{name}={value}" for name, value in taken.items())
         print(f"mogradient-diffusion eval: from {config_path}: {listed}")

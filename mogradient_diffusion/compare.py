@@ -198,7 +198,7 @@ def composite_note(reference: str, metrics: Sequence[str], used: Sequence[str]) 
     """What the composite is, and which metrics it leaves out and why."""
     if not used:
         return (
-            "Composite: none (no metric that every row has comes with a per-image std). "
+            "Composite: none (no metric that every row has comes with a per-image spread). "
             "**best**, <u>second</u>."
         )
     left_out = [m for m in metrics if m not in used]
@@ -210,7 +210,7 @@ def composite_note(reference: str, metrics: Sequence[str], used: Sequence[str]) 
     )
     if left_out:
         text += (
-            f" Not in the composite (missing from a row, or without a per-image std): "
+            " Not in the composite (missing from a row, or no per-image spread to scale by): "
             f"{', '.join(left_out)}."
         )
     return text

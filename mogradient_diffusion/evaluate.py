@@ -286,7 +286,8 @@ def evaluate(settings: EvalSettings) -> Path:
     )
     write_outputs(staging, rows, summary, rewards.names)
     publish(staging, out)
-    _note_truncation(summary["truncated_prompts"], len(source), settings.max_sequence_length)
+    clip_limit = pipeline.tokenizer.model_max_length
+    _note_truncation(summary["truncated_prompts"], len(source), clip_limit, settings)
     return out
 
 
@@ -322,12 +323,13 @@ def write_outputs(
     save_grid(rows[:16], metrics, out, out / "grid.png")
 
 
-def _note_truncation(count: int, prompts: int, max_sequence_length: int) -> None:
+def _note_truncation(count: int, prompts: int, clip_limit: int, settings: EvalSettings) -> None:
+    """One line for what diffusers would warn about batch after batch."""
     if count:
         print(
             f"mogradient-diffusion eval: note: {count} of {prompts} prompts were cut short by "
-            f"the text encoders (CLIP: 77 tokens, T5: --max-sequence-length "
-            f"{max_sequence_length})",
+            f"the text encoders (CLIP: {clip_limit} tokens, T5: --max-sequence-length "
+            f"{settings.max_sequence_length})",
             file=sys.stderr,
         )
 

@@ -3,6 +3,7 @@ tell; a LoRA that only the model can refuse (another model's) is one line too.""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -158,3 +159,13 @@ def test_eval_takes_the_runs_settings_and_a_flag_wins(
     assert "No LoRA keys" not in captured.err and "was truncated" not in captured.err
     note = [line for line in captured.err.splitlines() if "note:" in line]
     assert len(note) == 1 and "2 of 2 prompts were cut short" in note[0]
+
+
+def test_a_sweep_does_not_take_the_runs_steps(trained_run, capsys):
+    from mogradient_diffusion.cli import RUN_FLAGS, _run_flags
+
+    args = argparse.Namespace(lora=str(trained_run / "lora"), steps_sweep="1,2")
+    vars(args).update(dict.fromkeys(RUN_FLAGS))
+    values = _run_flags(args)
+    assert "steps" not in values and values["max_sequence_length"] == 32
+    assert "steps=" not in capsys.readouterr().out
