@@ -288,3 +288,111 @@ class CosineGram:
     def subset(self, indices: torch.Tensor) -> CosineGram:
         """The Gram of the gradients at ``indices`` (same exponent)."""
         return CosineGram(self.cosines[indices][:, indices], self.norms[indices], self.exponent)
+
+
+def gram_tolerance(dtype: torch.dtype) -> float:
+    """Largest error in a cosine G_ij / sqrt(G_ii G_jj) that round-off in ``dtype`` explains.
+
+    A D-term dot product is off by up to D u ||g_i|| ||g_j|| in any summation order
+    (Higham 2002, eq. 3.4); BLAS's blocked sums stay far below that (torch's float32
+    J @ J.T of 1e7-long Gaussian rows: 2e-3). We allow 2^16 eps: 7.8e-3 for float32,
+    against the O(1) defects of a matrix that is not a Gram. Float32 is the floor: a
+    float64 Gram is often summed from float32 products (gradients trained in float32,
+    ``RowGradients.gram``), so its dtype does not promise more.
+    """
+    return 2.0**16 * torch.finfo(_precision(dtype)).eps
+
+
+def validated_gram(gram: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A Gram matrix passed in by a caller, checked, as a symmetric float64 CPU tensor.
+
+    Why one check for every consumer: a matrix that is not a Gram makes each method fail
+    its own way, or silently. Objectives whose squared norm is NaN or Inf are left for
+    the caller to drop (their row and column may hold anything). Among the others every
+    entry must be finite, squared norms non-negative, cosines at most 1 + tolerance and
+    symmetric to :func:`gram_tolerance`, and the cosine matrix PSD to (K - 1) times it
+    (a bound on the spectral norm of entrywise errors). A zero squared norm may be an
+    underflowed one: its products are bounded with the dtype's smallest normal instead.
+    Raises ValueError naming the entry and the fix.
+    """
+    tensor = torch.as_tensor(gram).detach()
+    if tensor.ndim != 2 or tensor.shape[0] != tensor.shape[1] or tensor.shape[0] == 0:
+        _invalid(f"it must be square and non-empty, got shape {tuple(tensor.shape)}")
+    dtype = tensor.dtype if tensor.is_floating_point() else torch.float64
+    values = tensor.to(torch.float64).cpu()
+    indices = torch.nonzero(torch.isfinite(torch.diagonal(values))).flatten()
+    names = [int(index) for index in indices]
+    problem = _non_finite(values[indices][:, indices], names) or _not_psd(
+        values[indices][:, indices], names, dtype
+    )
+    if problem is not None:
+        _invalid(problem)
+    return 0.5 * (values + values.T)
+
+
+def _precision(dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose round-off a Gram of ``dtype`` may carry: float32 at best."""
+    finer = torch.finfo(dtype).eps < torch.finfo(torch.float32).eps
+    return torch.float32 if finer else dtype
+
+
+def _non_finite(gram: torch.Tensor, names: list[int]) -> str | None:
+    """A NaN/Inf entry or a negative squared norm among objectives with finite squared norms."""
+    bad = torch.nonzero(~torch.isfinite(gram))
+    if len(bad):
+        i, j = bad[0].tolist()
+        return (
+            f"G[{names[i]}, {names[j]}] is {gram[i, j].item()} (NaN or Inf) although "
+            f"objectives {names[i]} and {names[j]} have finite squared norms"
+        )
+    negative = torch.nonzero(torch.diagonal(gram) < 0).flatten()
+    if len(negative):
+        k = int(negative[0])
+        return f"squared norm G[{names[k]}, {names[k]}] = {gram[k, k].item():.6g} is negative"
+    return None
+
+
+def _not_psd(gram: torch.Tensor, names: list[int], dtype: torch.dtype) -> str | None:
+    """An asymmetric pair, a cosine beyond 1, or a negative eigenvalue beyond round-off."""
+    tolerance = gram_tolerance(dtype)
+    diagonal = torch.diagonal(gram)
+    floor = torch.finfo(_precision(dtype)).tiny
+    norms = torch.sqrt(torch.where(diagonal > 0, diagonal, floor))
+    cosines = gram / torch.outer(norms, norms)
+    i, j = divmod(int((cosines - cosines.T).abs().argmax()), len(gram))
+    if abs(cosines[i, j] - cosines[j, i]) > tolerance:
+        return (
+            f"it is not symmetric: G[{names[i]}, {names[j]}] = {gram[i, j].item():.6g} and "
+            f"G[{names[j]}, {names[i]}] = {gram[j, i].item():.6g} differ by "
+            f"{abs(cosines[i, j] - cosines[j, i]).item():.2g} of sqrt(G_ii G_jj), beyond "
+            f"round-off ({tolerance:.1e})"
+        )
+    i, j = divmod(int(cosines.abs().argmax()), len(gram))
+    if abs(cosines[i, j]) > 1 + tolerance:
+        bound = torch.sqrt(diagonal[i] * diagonal[j]).item()
+        return (
+            f"|G[{names[i]}, {names[j]}]| = {abs(gram[i, j].item()):.6g} exceeds "
+            f"sqrt(G[{names[i]}, {names[i]}] G[{names[j]}, {names[j]}]) = {bound:.6g} "
+            "(Cauchy-Schwarz), beyond round-off"
+        )
+    positive = diagonal > 0
+    if int(positive.sum()) < 2:
+        return None
+    unit = cosines[positive][:, positive]
+    smallest = float(torch.linalg.eigvalsh(0.5 * (unit + unit.T))[0])
+    bound = (len(unit) - 1) * tolerance
+    if smallest < -bound:
+        return (
+            f"it is not positive semidefinite: its cosine matrix G_ij / sqrt(G_ii G_jj) has "
+            f"eigenvalue {smallest:.3g}, beyond round-off (-{bound:.1e})"
+        )
+    return None
+
+
+def _invalid(problem: str) -> None:
+    raise ValueError(
+        f"invalid Gram matrix: {problem}. A Gram matrix is J @ J.T for the K x D stack J of "
+        "per-objective gradients: symmetric positive semidefinite, and finite wherever both "
+        "squared norms are. Pass the stack itself, or compute the Gram with "
+        "mogradient.gram_matrix(J)."
+    )

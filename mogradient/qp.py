@@ -27,6 +27,7 @@ import numpy as np
 
 from mogradient.errors import SolverError
 from mogradient.external_qp import solve_with_cvxpy, solve_with_qpsolvers
+from mogradient.gram import validated_gram
 
 _MAX_ITERATIONS = 1000
 _EPS = float(np.finfo(np.float64).eps)
@@ -50,12 +51,15 @@ def solve_simplex_qp(gram: np.ndarray, backend: str = "builtin") -> SimplexQPSol
     """Minimize ``a @ gram @ a`` subject to ``a >= 0, sum(a) = 1``.
 
     ``backend`` is ``"builtin"`` (exact, default), ``"cvxpy"`` or ``"qpsolvers:<solver>"``
-    (e.g. ``"qpsolvers:quadprog"``). A zero row (a zero gradient) puts the minimum at 0:
-    such rows share the weight equally.
+    (e.g. ``"qpsolvers:quadprog"``). ``gram`` is checked as every Gram passed in is
+    (:func:`mogradient.gram.validated_gram`). A zero row (a zero gradient) puts the
+    minimum at 0: such rows share the weight equally.
     """
     _check_backend(backend)
-    gram = _validated_gram(gram)
-    norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
+    gram = validated_gram(gram).numpy()
+    if not np.all(np.isfinite(gram)):
+        raise ValueError("the Gram matrix contains NaN or Inf; drop non-finite gradients first")
+    norms = np.sqrt(np.diag(gram))
     zero = norms == 0
     if np.any(zero):
         weights = zero / np.count_nonzero(zero)
@@ -141,15 +145,6 @@ def _relative_slack(cosines: np.ndarray, sizes: np.ndarray, weights: np.ndarray)
 
 def _infeasibility(weights: np.ndarray) -> float:
     return max(abs(float(weights.sum()) - 1.0), float(np.max(np.maximum(-weights, 0.0))))
-
-
-def _validated_gram(gram: np.ndarray) -> np.ndarray:
-    gram = np.asarray(gram, dtype=np.float64)
-    if gram.ndim != 2 or gram.shape[0] != gram.shape[1] or gram.shape[0] == 0:
-        raise ValueError(f"the Gram matrix must be square and non-empty, got shape {gram.shape}")
-    if not np.all(np.isfinite(gram)):
-        raise ValueError("the Gram matrix contains NaN or Inf; drop non-finite gradients first")
-    return 0.5 * (gram + gram.T)
 
 
 def _check_backend(backend: str) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mogradient.external_qp import solve_with_cvxpy, solve_with_qpsolvers
+from mogradient.gram import validated_gram
 from mogradient.span import coordinates_from_cosines
 
 _TOLERANCE = 1e-13
@@ -53,7 +54,8 @@ def solve_cone_qp(gram: np.ndarray, lower: np.ndarray, backend: str = "builtin")
     """Minimize ``v @ gram @ v`` subject to ``v >= lower``.
 
     ``backend`` is ``"builtin"`` (exact active set, default), ``"cvxpy"`` or
-    ``"qpsolvers:<solver>"``. The built-in solver works in the span
+    ``"qpsolvers:<solver>"``. ``gram`` is checked as every Gram passed in is
+    (:func:`mogradient.gram.validated_gram`). The built-in solver works in the span
     coordinates of the cosine matrix C = D^-1 G D^-1 (D = diag(||g_k||)), which stays
     well-conditioned when the gradients' norms differ by many orders of magnitude; the
     external backends get G / max(diag G) and lower / max|lower|. Results do not depend
@@ -63,8 +65,15 @@ def solve_cone_qp(gram: np.ndarray, lower: np.ndarray, backend: str = "builtin")
     then the min-norm weights, which may fall below ``lower``. Objectives with a zero row
     keep ``v_k = lower_k``.
     """
-    gram, lower = _validated(gram, lower)
-    norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
+    gram = validated_gram(gram).numpy()
+    lower = np.asarray(lower, dtype=np.float64).reshape(-1)
+    if lower.shape != (gram.shape[0],):
+        raise ValueError(
+            f"lower must have one entry per objective ({gram.shape[0]}), got shape {lower.shape}"
+        )
+    if not (np.all(np.isfinite(gram)) and np.all(np.isfinite(lower))):
+        raise ValueError("the Gram matrix and lower bound must be finite")
+    norms = np.sqrt(np.diag(gram))
     inverse = np.where(norms > 0, 1.0 / np.where(norms > 0, norms, 1.0), 0.0)
     return solve_cone_qp_factored(gram * np.outer(inverse, inverse), norms, lower, backend)
 
@@ -309,17 +318,3 @@ def _passive_least_squares(
     along = left.T @ point
     coefficients = -(right.T @ (along / singular))
     return coefficients, point - left @ along
-
-
-def _validated(gram: np.ndarray, lower: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    gram = np.asarray(gram, dtype=np.float64)
-    lower = np.asarray(lower, dtype=np.float64).reshape(-1)
-    if gram.ndim != 2 or gram.shape[0] != gram.shape[1] or gram.shape[0] == 0:
-        raise ValueError(f"the Gram matrix must be square and non-empty, got shape {gram.shape}")
-    if lower.shape != (gram.shape[0],):
-        raise ValueError(
-            f"lower must have one entry per objective ({gram.shape[0]}), got shape {lower.shape}"
-        )
-    if not (np.all(np.isfinite(gram)) and np.all(np.isfinite(lower))):
-        raise ValueError("the Gram matrix and lower bound must be finite")
-    return 0.5 * (gram + gram.T), lower

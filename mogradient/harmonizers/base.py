@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mogradient.errors import SolverError
-from mogradient.gram import CosineGram, scaled_gram, unscaled
+from mogradient.gram import CosineGram, scaled_gram, unscaled, validated_gram
 
 # Columns per block of the batched direction product (large enough that per-block
 # overhead is negligible, small enough that mid-sized stacks still split over threads).
@@ -72,7 +72,7 @@ class Harmonizer(ABC):
             scaled, exponents = scaled_gram(jacobian)
             gram = unscaled(scaled, exponents)
         else:
-            gram = _validated_gram(gram).detach()
+            gram = validated_gram(gram)
             scaled, exponents = gram, torch.zeros(len(gram), dtype=torch.int64)
         valid = _usable_objectives(scaled)
         num_objectives = gram.shape[0]
@@ -286,13 +286,6 @@ def _validated_jacobian(jacobian: torch.Tensor) -> torch.Tensor:
     if not jacobian.is_floating_point():
         raise TypeError(f"the gradient stack must be floating point, got {jacobian.dtype}")
     return jacobian
-
-
-def _validated_gram(gram: torch.Tensor) -> torch.Tensor:
-    gram = torch.as_tensor(gram)
-    if gram.ndim != 2 or gram.shape[0] != gram.shape[1] or gram.shape[0] == 0:
-        raise ValueError(f"the Gram matrix must be square and non-empty, got {tuple(gram.shape)}")
-    return gram.to(torch.float64)
 
 
 def _usable_objectives(gram: torch.Tensor) -> torch.Tensor:
