@@ -267,7 +267,6 @@ def evaluate(settings: EvalSettings) -> Path:
         [make_reward(name, **settings.metric_options.get(name, {})) for name in settings.metrics]
     )
     out = check_output_dir(settings.out)
-    staging = fresh_staging(out)
     with quiet_library_messages():
         pipeline = load_pipeline(settings)
         rewards.to(pipeline.device)
@@ -275,7 +274,12 @@ def evaluate(settings: EvalSettings) -> Path:
         native = pipeline.default_sample_size * pipeline.vae_scale_factor
         settings = dataclasses.replace(settings, resolution=settings.resolution or native)
         samples = plan_samples(source, settings.images_per_prompt, settings.seed)
-        rows, seconds = generate_and_score(pipeline, rewards, samples, settings, staging)
+        staging = fresh_staging(out)
+        try:
+            rows, seconds = generate_and_score(pipeline, rewards, samples, settings, staging)
+        except BaseException:  # an interrupt too: leave --out as it was
+            discard(staging)
+            raise
     summary = summarize(rows, rewards.names)
     prompt_file = str(resolve_prompt_set(settings.prompts))
     summary["settings"] = asdict(settings) | {"prompt_file": prompt_file}
@@ -346,6 +350,13 @@ def fresh_staging(out: Path) -> Path:
         shutil.rmtree(staging)
     (staging / "images").mkdir(parents=True)
     return staging
+
+
+def discard(staging: Path) -> None:
+    """Remove a failed run's staging folder, and ``out`` if that leaves it empty."""
+    shutil.rmtree(staging, ignore_errors=True)
+    if not any(staging.parent.iterdir()):
+        staging.parent.rmdir()
 
 
 def publish(staging: Path, out: Path) -> None:

@@ -42,6 +42,12 @@ def test_a_rerun_replaces_the_evaluation_and_keeps_other_files(
             _eval(tiny_pipeline_dir, out, 1)
     assert (out / "samples.jsonl").read_text() == before
     assert len(list((out / "images").iterdir())) == 3
+    assert not (out / ".eval-in-progress").exists()
+    with monkeypatch.context() as patch:  # nor does it leave a folder it created
+        patch.setattr("mogradient_diffusion.evaluate.generate", fail)
+        with pytest.raises(RuntimeError):
+            _eval(tiny_pipeline_dir, tmp_path / "new", 1)
+    assert not (tmp_path / "new").exists()
 
     assert _eval(tiny_pipeline_dir, out, 1) == 0
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
