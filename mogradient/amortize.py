@@ -97,8 +97,7 @@ class Amortizer:
                 harmonization.weights.clone(), True, harmonization, harmonization.fallback
             )
         # Smoothing must not put weight back on a gradient that is zero or NaN this step.
-        diagonal = torch.diagonal(harmonization.gram).cpu()
-        smoothed[~(torch.isfinite(diagonal) & (diagonal > 0))] = 0.0
+        smoothed[_zero_or_non_finite(harmonization)] = 0.0
         return AmortizedStep(smoothed, True, harmonization, harmonization.fallback)
 
     def cached_step(self) -> AmortizedStep:
@@ -134,3 +133,16 @@ class Amortizer:
         if self.ema.value is not None:
             return AmortizedStep(self.ema.value.clone(), False, harmonization, reason)
         return AmortizedStep(torch.zeros(count, dtype=torch.float64), False, harmonization, reason)
+
+
+def _zero_or_non_finite(harmonization: Harmonization) -> torch.Tensor:
+    """Objectives dropped for a zero or non-finite gradient this step.
+
+    Both tests matter: an objective dropped out by RewardDropout has a positive squared
+    norm, and a usable float64 gradient below ~1e-162 has a zero one in the float64 Gram
+    (its square underflows) but is not dropped.
+    """
+    diagonal = torch.diagonal(harmonization.gram).cpu()
+    dropped = torch.zeros(len(diagonal), dtype=torch.bool)
+    dropped[list(harmonization.dropped)] = True
+    return dropped & ~(torch.isfinite(diagonal) & (diagonal > 0))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from mogradient import HARMONIZERS, make_harmonizer
+from mogradient import HARMONIZERS, Amortizer, make_harmonizer
 from mogradient.gram import gram_matrix, scaled_gram
 
 from .test_core_simplex_qp import exact_min_norm_point
@@ -154,3 +154,19 @@ def test_normalize_rescale_mgda_solves_the_unit_gradients_problem_exactly() -> N
     weights, _ = exact_min_norm_point(unit_rows(stack).numpy())
     alpha = make_harmonizer("mgda")(stack).extras["alpha"]
     np.testing.assert_allclose(alpha, [float(w) for w in weights], rtol=0, atol=64 * EPS64)
+
+
+def test_smoothed_solve_steps_keep_a_gradient_whose_square_underflows() -> None:
+    """Row 2 (1e-170) squares below float64's range, so the float64 Gram holds 0 there; it
+    is a gradient all the same. Row 3 is exactly zero: dropped, and its weight stays 0."""
+    stack = torch.tensor(
+        [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1e-170], [0.0, 0.0, 0.0]],
+        dtype=torch.float64,
+    )
+    amortizer = Amortizer(make_harmonizer("mgda"), period=2, smooth_solve_steps=True)
+    step = amortizer.full_step(stack)
+    assert step.harmonization.dropped == (3,)
+    assert step.harmonization.gram[2, 2] == 0  # beyond float64, as stored
+    # The first smoothed weights are the solution's: u_0, u_1, u_2 orthogonal, alpha = 1/3.
+    torch.testing.assert_close(step.weights, step.harmonization.weights, rtol=0, atol=0)
+    assert step.weights[2] > 0 and step.weights[3] == 0
