@@ -1,7 +1,11 @@
 """What a newcomer's first tiny run shows: every reward of the preset applies to the
-built-in prompts, and the progress bar names what each weight belongs to."""
+built-in prompts, the progress bar names what each weight belongs to, and no library
+notice about torchvision (which does not work with the pinned torch) is printed."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 from mogradient_diffusion.config import load_config
 from mogradient_diffusion.prompt_setup import BUILT_IN_SOURCES
@@ -31,3 +35,10 @@ def test_the_progress_bar_puts_each_weight_beside_its_reward() -> None:
 def test_a_single_objective_shows_no_weight() -> None:
     record = {"reward/a/mean": 1.0, "reward/b/mean": 2.0, "optimizer_steps": [{"weights": [1]}]}
     assert _summary(record, ["a", "b"]) == {"a": "1", "b": "2"}
+
+
+def test_importing_the_sd3_pipeline_prints_no_torchvision_notice() -> None:
+    code = "import mogradient_diffusion.cli; from diffusers import StableDiffusion3Pipeline"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "torchvision" not in result.stderr + result.stdout
