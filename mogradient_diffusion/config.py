@@ -23,73 +23,17 @@ import yaml
 
 from mogradient_diffusion.objectives import UnknownObjectiveError, objective_class
 from mogradient_diffusion.policy import DTYPES, LoraSpec
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported before any heavy work starts."""
-
-
-@dataclass
-class ModelConfig:
-    path: str | None = None  # a StableDiffusion3Pipeline directory; None = build the tiny one
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    device: str = "auto"  # auto = cuda when available
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class PromptSourceConfig:
-    name: str
-    file: str
-    weight: float = 1.0
-
-
-@dataclass
-class PromptsConfig:
-    directory: str | None = None  # None = the built-in miniature prompt list
-    sources: list[PromptSourceConfig] = field(default_factory=list)
-
-
-@dataclass
-class RolloutConfig:
-    resolution: int = 512
-    steps: int = 10
-    guidance_scale: float = 1.0
-    sampler: str = "euler"  # euler | dpm2 | sde
-    images_per_prompt: int = 24
-    prompts_per_epoch: int = 48
-    batch_size: int = 9  # images sampled at once per process
-    max_sequence_length: int = 256
-    # Score each sampled batch in a background thread while the next one samples.
-    overlap_rewards: bool = False
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = 100
-    batch_size: int = 9  # samples per process per micro-batch
-    gradient_accumulation: int = 1
-    timestep_fraction: float = 0.99
-    # Micro-batches hold whole prompt groups (groups in shuffled order) instead of rows
-    # shuffled across groups; with the NFT objective's shared_noise, a group's rows then
-    # share an optimizer step and their noise draws.
-    group_batches: bool = False
-    learning_rate: float = 3e-4
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 1e-4
-    grad_clip: float = 1.0
-    ema_decay: float = 0.9
-    # copy | linear | delayed_linear; MARBLE: linear capped at 0.95 (DiffusionNFT: 0.5).
-    # old_cap: null keeps the schedule's own cap (linear 0.5, delayed_linear 0.999).
-    old_schedule: str = "linear"
-    old_cap: float | None = 0.95
-    # Consecutive optimizer steps with non-finite gradients that are skipped before the
-    # run stops (nothing non-finite is ever applied or checkpointed).
-    max_nonfinite_steps: int = 3
-    # Per-objective gradients on solve steps and in the conflict probe: auto = one
-    # backward pass per row value of the losses where the model allows it (checked once
-    # against K backward passes), batched = K backward passes (for comparison).
-    gradient_engine: str = "auto"
+from mogradient_diffusion.settings import (
+    ConfigError,
+    ModelConfig,
+    PromptsConfig,
+    PromptSourceConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    StrategyConfig,
+    TrainConfig,
+)
 
 
 @dataclass
@@ -109,55 +53,6 @@ class ObjectiveConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **dataclasses.asdict(self.settings)}
-
-
-@dataclass
-class RewardConfig:
-    name: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class StageConfig:
-    rewards: list[str]
-    epochs: int
-
-
-@dataclass
-class StrategyConfig:
-    """Options a strategy does not use must stay unset (None / empty): ``STRATEGY_OPTIONS``.
-
-    None means "the strategy's own default" (``strategies.py``): MARBLE solves every 10
-    steps with rho 0.7, other harmonizers every step without smoothing.
-    """
-
-    # marble | weighted_sum | sequential | single | reward_dropout | pcgrad | <harmonizer name>
-    name: str = "marble"
-    weights: list[float] | None = None  # weighted_sum / reward_dropout; None = equal
-    reward: str | None = None  # single
-    stages: list[StageConfig] = field(default_factory=list)  # sequential
-    period: int | None = None  # full solve every N optimizer steps (1 = every step)
-    warmup_steps: int | None = None
-    rho: float | None = None  # EMA of cached weights (0 = none)
-    # Ablation: solve steps apply the EMA-smoothed weights, not the fresh solution.
-    smooth_solve_steps: bool | None = None
-    normalize: bool | None = None  # MGDA normalize-and-rescale (False: plain MGDA ablation)
-    fixed_alpha: bool | None = None  # ablation: equal alpha, no solve
-    dropout_probability: float | None = None  # reward_dropout; default 0.3
-    dropout_warmup_steps: int | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # extra harmonizer options
-
-
-@dataclass
-class RunConfig:
-    directory: str = "runs/default"
-    seed: int = 0
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 2
-    quiet: bool = False
-    # Per-reward gradients on every optimizer step (any strategy, cached steps too), to log
-    # cos(update, g_k) for the conflict statistics; costs K extra gradients per step.
-    conflict_probe: bool = False
 
 
 @dataclass
@@ -311,7 +206,9 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
     _check_ranges(config)
     _check_batch_arithmetic(config, world_size)
     _check_rewards_and_strategy(config)
-    objective_class(config.objective.name).check_config(config)
+    objective_class(config.objective.name).check_config(
+        config.objective.settings, config.rollout, config.train
+    )
 
 
 def _check_ranges(config: TrainingConfig) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mogradient_diffusion.config import ConfigError, PromptsConfig
 from mogradient_diffusion.prompts import PromptSource, StratifiedPromptSampler, load_prompt_file
+from mogradient_diffusion.settings import ConfigError, PromptsConfig
 
 BUILT_IN_SOURCES = (
     PromptSource(

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from mogradient_diffusion.config import ConfigError
+from mogradient_diffusion.settings import ConfigError
 
 LOCK_FILE = "train.lock"
 

@@ -40,8 +40,8 @@ import torch
 from mogradient.objectives import CombinableLoss
 
 if TYPE_CHECKING:
-    from mogradient_diffusion.config import RolloutConfig, TrainingConfig
     from mogradient_diffusion.policy import Policy
+    from mogradient_diffusion.settings import RolloutConfig, TrainConfig
 
 SamplerNeed = Literal["ode", "sde", "sde_pairs"]
 """What an objective needs from the sampler.
@@ -200,10 +200,10 @@ class Objective(Protocol):
     settings: Any
 
     @classmethod
-    def check_config(cls, config: TrainingConfig) -> None:
+    def check_config(cls, settings: Any, rollout: RolloutConfig, train: TrainConfig) -> None:
         """Raise ConfigError (naming the key) for settings elsewhere in the config that
-        this objective cannot honour or would silently ignore (a sampler it does not use,
-        a train.timestep_fraction that trains no step)."""
+        this objective (with its ``settings``) cannot honour or would silently ignore (a
+        sampler it does not use, a train.timestep_fraction that trains no step)."""
         ...
 
     def rollout(self, policy: Policy, request: RolloutRequest, score: Scorer) -> RolloutData:
@@ -252,7 +252,7 @@ class Stateless:
     """Defaults for an objective without cross-epoch state or config constraints."""
 
     @classmethod
-    def check_config(cls, config: TrainingConfig) -> None:
+    def check_config(cls, settings: Any, rollout: RolloutConfig, train: TrainConfig) -> None:
         return None
 
     def state_dict(self) -> dict[str, Any]:

@@ -35,7 +35,6 @@ from mogradient_diffusion.objectives.step_rollout import (
     RatioTracker,
     StepRollout,
     check_step_objective_config,
-    config_error,
     forward_copies,
     reference_step_mean,
     rescore_step,
@@ -43,9 +42,10 @@ from mogradient_diffusion.objectives.step_rollout import (
 )
 from mogradient_diffusion.policy import Policy
 from mogradient_diffusion.sde_rollout import flow_grpo_steps, sample_request
+from mogradient_diffusion.settings import ConfigError
 
 if TYPE_CHECKING:
-    from mogradient_diffusion.config import TrainingConfig
+    from mogradient_diffusion.settings import RolloutConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -187,11 +187,13 @@ class FlowGRPOObjective(Stateless):
         self._fresh_rollout = False
 
     @classmethod
-    def check_config(cls, config: TrainingConfig) -> None:
-        check_step_objective_config(config, cls.name)
-        settings, steps = config.objective.settings, config.rollout.steps
+    def check_config(
+        cls, settings: FlowGRPOSettings, rollout: RolloutConfig, train: TrainConfig
+    ) -> None:
+        check_step_objective_config(rollout, train, cls.name)
+        steps = rollout.steps
         if settings.window_size is not None and settings.window_range[1] > steps:
-            raise config_error(
+            raise ConfigError(
                 f"objective.window_range {list(settings.window_range)} reaches past the "
                 f"{steps} sampling steps (rollout.steps)"
             )

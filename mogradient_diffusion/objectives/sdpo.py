@@ -44,7 +44,6 @@ from mogradient_diffusion.objectives.step_rollout import (
     RatioTracker,
     StepRollout,
     check_step_objective_config,
-    config_error,
     forward_copies,
     rescore_step,
     step_rollout,
@@ -58,9 +57,10 @@ from mogradient_diffusion.sdpo_advantages import (
     dense_rewards,
     discounted_returns,
 )
+from mogradient_diffusion.settings import ConfigError
 
 if TYPE_CHECKING:
-    from mogradient_diffusion.config import TrainingConfig
+    from mogradient_diffusion.settings import RolloutConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -253,17 +253,19 @@ class SDPOObjective:
         self._fresh_rollout = False
 
     @classmethod
-    def check_config(cls, config: TrainingConfig) -> None:
-        check_step_objective_config(config, cls.name)
-        if config.rollout.images_per_prompt % 2:
-            raise config_error(
+    def check_config(
+        cls, settings: SDPOSettings, rollout: RolloutConfig, train: TrainConfig
+    ) -> None:
+        check_step_objective_config(rollout, train, cls.name)
+        if rollout.images_per_prompt % 2:
+            raise ConfigError(
                 "objective sdpo samples pairs: rollout.images_per_prompt must be even, got "
-                f"{config.rollout.images_per_prompt}"
+                f"{rollout.images_per_prompt}"
             )
-        if config.rollout.steps < 3:
-            raise config_error(
+        if rollout.steps < 3:
+            raise ConfigError(
                 "objective sdpo queries rewards at an interior anchor step: rollout.steps "
-                f"must be >= 3, got {config.rollout.steps}"
+                f"must be >= 3, got {rollout.steps}"
             )
 
     def rollout(self, policy: Policy, request: RolloutRequest, score: Scorer) -> PairRollout:

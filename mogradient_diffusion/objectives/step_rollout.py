@@ -20,9 +20,10 @@ from mogradient_diffusion.objectives.base import StepMetrics
 from mogradient_diffusion.policy import Policy, PromptEmbeddings
 from mogradient_diffusion.sde import transition_log_prob
 from mogradient_diffusion.sde_rollout import SampledRequest, guided_velocity
+from mogradient_diffusion.settings import ConfigError
 
 if TYPE_CHECKING:
-    from mogradient_diffusion.config import TrainingConfig
+    from mogradient_diffusion.settings import RolloutConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -161,42 +162,34 @@ def step_rollout(sampled: SampledRequest, guidance_scale: float) -> StepRollout:
     )
 
 
-def check_step_objective_config(config: TrainingConfig, name: str) -> None:
+def check_step_objective_config(rollout: RolloutConfig, train: TrainConfig, name: str) -> None:
     """What every objective trained on SDE log-probability ratios needs from the config.
 
     Sampling uses the ``old`` adapter; the ratio's denominator is that policy, so it must
     be the trained one when the rollout is drawn (``train.old_schedule: copy``), or the
     tiny clip range clips almost every ratio from the first step on.
     """
-    if config.rollout.sampler != "sde":
-        raise config_error(
+    if rollout.sampler != "sde":
+        raise ConfigError(
             f"objective {name} samples with the flow SDE; set rollout.sampler: sde "
-            f"(got {config.rollout.sampler!r})"
+            f"(got {rollout.sampler!r})"
         )
-    if config.train.old_schedule != "copy":
-        raise config_error(
+    if train.old_schedule != "copy":
+        raise ConfigError(
             f"objective {name} needs the rollout policy to be the trained one: set "
-            f"train.old_schedule: copy (got {config.train.old_schedule!r})"
+            f"train.old_schedule: copy (got {train.old_schedule!r})"
         )
-    if int(config.rollout.steps * config.train.timestep_fraction) < 1:
-        raise config_error(
-            f"train.timestep_fraction {config.train.timestep_fraction} of "
-            f"{config.rollout.steps} rollout.steps trains no step"
+    if int(rollout.steps * train.timestep_fraction) < 1:
+        raise ConfigError(
+            f"train.timestep_fraction {train.timestep_fraction} of "
+            f"{rollout.steps} rollout.steps trains no step"
         )
-
-
-def config_error(message: str) -> Exception:
-    """A ConfigError (imported late: the config module imports the objective registry)."""
-    from mogradient_diffusion.config import ConfigError
-
-    return ConfigError(message)
 
 
 __all__ = [
     "RatioTracker",
     "StepRollout",
     "check_step_objective_config",
-    "config_error",
     "ratio_metrics",
     "reference_step_mean",
     "rescore_step",
