@@ -3,7 +3,7 @@
 NFT trains on the final clean latents only, so any deterministic sampler serves. Each
 optimizer step draws, per sample, ``int(timestep_fraction x steps)`` distinct noise levels
 of the sampling schedule and fresh noise, and averages the per-level NFT losses
-(``mogradient_diffusion.nft``): each reward's loss is a mean over the step's applicable
+(``nft_loss``): each reward's loss is a mean over the step's applicable
 samples, so the step's gradient does not depend on how it is cut into micro-batches.
 """
 
@@ -17,8 +17,7 @@ from typing import ClassVar
 import torch
 
 from mogradient.objectives import CombinableLoss
-from mogradient_diffusion.advantages import STD_MODES, group_advantages
-from mogradient_diffusion.nft import FORMS, NFTForm, check_number, nft_loss
+from mogradient_diffusion.advantages import group_advantages
 from mogradient_diffusion.objectives.base import (
     Advantages,
     RewardView,
@@ -29,56 +28,9 @@ from mogradient_diffusion.objectives.base import (
     TrainPiece,
     applicable_counts,
 )
+from mogradient_diffusion.objectives.nft_loss import NFTSettings, nft_loss
 from mogradient_diffusion.policy import Policy, PromptEmbeddings
 from mogradient_diffusion.rollout import rollout
-
-
-@dataclass(frozen=True)
-class NFTSettings:
-    """DiffusionNFT's hyper-parameters (the ``objective:`` options of ``name: nft``).
-
-    beta: strength of the implicit branches; the references use 1.0 for a single reward
-        and 0.1 for OCR and multi-reward training (the default here, MARBLE's setting).
-    a_max: advantage clip, and r = clip(1/2 + A / (2 a_max), 0, 1).
-    form: "x0_adaptive" (the official code: x0-space squared error over a detached
-        per-sample mean-abs error) or "velocity" (the paper's velocity MSE).
-    kl_coefficient: weight of the squared velocity distance to the reference model; not
-        harmonized. Named apart from ``beta``, which the official config reuses for it.
-    adaptive_weight_floor: lower clip of the adaptive weight, so a perfect prediction
-        does not divide by zero (official value 1e-5).
-    advantage_std: "global" (the batch std, DiffusionNFT's default) or "group" (GRPO's).
-    shared_noise: rows of one prompt group in an optimizer step share their noise levels
-        and noise (common random numbers; the references draw them per row). Each row's
-        draws keep their distribution, so the expected gradient is unchanged, while the
-        parts of the rows' terms that the draw sets, alike across a group, cancel in the
-        zero-sum group advantages. Pays off when steps hold whole groups
-        (``train.group_batches``).
-    """
-
-    beta: float = 0.1
-    a_max: float = 5.0
-    form: NFTForm = "x0_adaptive"
-    kl_coefficient: float = 1e-4
-    adaptive_weight_floor: float = 1e-5
-    advantage_std: str = "global"
-    shared_noise: bool = False
-
-    def __post_init__(self) -> None:
-        check_number("beta", self.beta)
-        check_number("a_max", self.a_max)
-        check_number("kl_coefficient", self.kl_coefficient, allow_zero=True)
-        check_number("adaptive_weight_floor", self.adaptive_weight_floor)
-        if self.form not in FORMS:
-            raise ValueError(f"form must be one of {list(FORMS)}, got {self.form!r}")
-        if self.advantage_std not in STD_MODES:
-            raise ValueError(
-                f"advantage_std must be one of {list(STD_MODES)}, got {self.advantage_std!r}"
-            )
-
-    @property
-    def scale(self) -> float:
-        """The official a_max / beta: the gradient size then does not shrink with beta."""
-        return self.a_max / self.beta
 
 
 @dataclass(frozen=True)

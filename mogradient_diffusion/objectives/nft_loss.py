@@ -13,14 +13,13 @@ noise - x0, so the implied clean sample is x0_hat = x_t - t * v.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal, get_args
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from mogradient.objectives import CombinableLoss, RowValues, masked_mean_coefficients
-
-if TYPE_CHECKING:
-    from mogradient_diffusion.objectives.nft import NFTSettings
+from mogradient_diffusion.advantages import STD_MODES
 
 NFTForm = Literal["x0_adaptive", "velocity"]
 FORMS: tuple[str, ...] = get_args(NFTForm)
@@ -33,6 +32,54 @@ def check_number(name: str, value: float, *, allow_zero: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class NFTSettings:
+    """DiffusionNFT's hyper-parameters (the ``objective:`` options of ``name: nft``).
+
+    beta: strength of the implicit branches; the references use 1.0 for a single reward
+        and 0.1 for OCR and multi-reward training (the default here, MARBLE's setting).
+    a_max: advantage clip, and r = clip(1/2 + A / (2 a_max), 0, 1).
+    form: "x0_adaptive" (the official code: x0-space squared error over a detached
+        per-sample mean-abs error) or "velocity" (the paper's velocity MSE).
+    kl_coefficient: weight of the squared velocity distance to the reference model; not
+        harmonized. Named apart from ``beta``, which the official config reuses for it.
+    adaptive_weight_floor: lower clip of the adaptive weight, so a perfect prediction
+        does not divide by zero (official value 1e-5).
+    advantage_std: "global" (the batch std, DiffusionNFT's default) or "group" (GRPO's).
+    shared_noise: rows of one prompt group in an optimizer step share their noise levels
+        and noise (common random numbers; the references draw them per row). Each row's
+        draws keep their distribution, so the expected gradient is unchanged, while the
+        parts of the rows' terms that the draw sets, alike across a group, cancel in the
+        zero-sum group advantages. Pays off when steps hold whole groups
+        (``train.group_batches``).
+    """
+
+    beta: float = 0.1
+    a_max: float = 5.0
+    form: NFTForm = "x0_adaptive"
+    kl_coefficient: float = 1e-4
+    adaptive_weight_floor: float = 1e-5
+    advantage_std: str = "global"
+    shared_noise: bool = False
+
+    def __post_init__(self) -> None:
+        check_number("beta", self.beta)
+        check_number("a_max", self.a_max)
+        check_number("kl_coefficient", self.kl_coefficient, allow_zero=True)
+        check_number("adaptive_weight_floor", self.adaptive_weight_floor)
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {list(FORMS)}, got {self.form!r}")
+        if self.advantage_std not in STD_MODES:
+            raise ValueError(
+                f"advantage_std must be one of {list(STD_MODES)}, got {self.advantage_std!r}"
+            )
+
+    @property
+    def scale(self) -> float:
+        """The official a_max / beta: the gradient size then does not shrink with beta."""
+        return self.a_max / self.beta
 
 
 def nft_branch_velocities(

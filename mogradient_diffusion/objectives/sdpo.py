@@ -40,6 +40,13 @@ from mogradient_diffusion.objectives.base import (
     TrainPiece,
     applicable_counts,
 )
+from mogradient_diffusion.objectives.sdpo_advantages import (
+    AnchorSimilarities,
+    StepAdvantageTracker,
+    anchor_similarities,
+    dense_rewards,
+    discounted_returns,
+)
 from mogradient_diffusion.objectives.step_rollout import (
     RatioTracker,
     StepRollout,
@@ -50,13 +57,6 @@ from mogradient_diffusion.objectives.step_rollout import (
 )
 from mogradient_diffusion.policy import Policy, PromptEmbeddings
 from mogradient_diffusion.sde_rollout import paired_noise, sample_request
-from mogradient_diffusion.sdpo_advantages import (
-    AnchorSimilarities,
-    StepAdvantageTracker,
-    anchor_similarities,
-    dense_rewards,
-    discounted_returns,
-)
 from mogradient_diffusion.settings import ConfigError
 
 if TYPE_CHECKING:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mogradient_diffusion.nft import (
+from mogradient_diffusion.objectives.nft import NFTSettings
+from mogradient_diffusion.objectives.nft_loss import (
     nft_branch_errors,
     nft_branch_velocities,
     nft_loss,
     nft_ratios,
 )
-from mogradient_diffusion.objectives.nft import NFTSettings
 
 FORMS = ("x0_adaptive", "velocity")
 SHAPE = (2, 3, 3)

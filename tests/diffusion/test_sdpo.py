@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tolerances import reduction_atol
 
 from mogradient_diffusion.objectives.sdpo import SDPOSettings, advantage_differences, sdpo_loss
-from mogradient_diffusion.sdpo_advantages import (
+from mogradient_diffusion.objectives.sdpo_advantages import (
     StepAdvantageTracker,
     anchor_similarities,
     dense_rewards,
