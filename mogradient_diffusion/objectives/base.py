@@ -2,14 +2,14 @@
 
 The trainer knows nothing of any objective's maths. Per epoch it asks the objective to
 
-1. ``rollout``: sample this rank's prompts with the sampler the objective needs
-   (``sampler``: a deterministic ODE, the SDE with per-step log-probs, or pairs that share
-   x_T) and return a :class:`RolloutData` holding, as values, everything the losses will
-   need (NFT: final latents, sigmas, embeddings, group ids; Flow-GRPO: per-step x_t,
-   x_next, log p_old, sigmas; SDPO: pairs, per-step log-probs and x0 predictions). The
-   trainer then scores ``images`` with every reward (possibly overlapped with sampling);
-   an objective that scores intermediate states itself (SDPO) uses the ``score`` callable
-   it is given.
+1. ``rollout``: sample this rank's prompts with the sampler the objective needs (a
+   deterministic ODE, the SDE with per-step log-probs, or pairs that share x_T) and
+   return a :class:`RolloutData` holding, as values, everything the losses will need
+   (NFT: final latents, sigmas, embeddings, group ids; Flow-GRPO: per-step x_t, x_next,
+   log p_old, sigmas; SDPO: pairs, per-step log-probs and x0 predictions). The trainer
+   then scores ``images`` with every reward (possibly overlapped with sampling); an
+   objective that scores intermediate states itself (SDPO) uses the ``score`` callable it
+   is given.
 2. ``advantages``: turn the rewards of the whole (all-rank) batch into advantages for this
    rank's rows, one column per strategy objective: [B, K'] per sample (NFT, Flow-GRPO) or
    [B, S, K'] per sample and step (SDPO). NaN marks "this objective does not apply here".
@@ -31,9 +31,10 @@ matching, x_t = (1 - t) x0 + t noise, v = noise - x0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -42,16 +43,6 @@ from mogradient.objectives import CombinableLoss
 if TYPE_CHECKING:
     from mogradient_diffusion.policy import Policy
     from mogradient_diffusion.settings import RolloutConfig, TrainConfig
-
-SamplerNeed = Literal["ode", "sde", "sde_pairs"]
-"""What an objective needs from the sampler.
-
-``ode``: only the final sample is used, so any solver serves (DiffusionNFT: the
-configured ``rollout.sampler``, deterministic in the references).
-``sde``: the stochastic sampler, with the Gaussian log-density of every transition
-(Flow-GRPO). ``sde_pairs``: the stochastic sampler on pairs of samples that share their
-initial noise x_T but draw independent per-step noise (SDPO).
-"""
 
 Scorer = Callable[[torch.Tensor, list[str], list[dict[str, Any]]], torch.Tensor]
 """``score(images [N, 3, H, W] in [0, 1], prompts [N], metadata [N]) -> rewards [N, K]``.
@@ -196,7 +187,6 @@ class Objective(Protocol):
 
     name: ClassVar[str]
     settings_type: ClassVar[type]
-    sampler: ClassVar[SamplerNeed]
     settings: Any
 
     @classmethod
@@ -246,6 +236,26 @@ class Objective(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def check_real(
+    name: str,
+    value: float,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+) -> None:
+    """One check for every objective's numeric settings: a real, finite number in range
+    (TypeError for a non-number, ValueError otherwise; the config names the key)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if low is not None and (value < low or (open_low and value == low)):
+        raise ValueError(f"{name} must be {'>' if open_low else '>='} {low:g}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high:g}, got {value!r}")
 
 
 class Stateless:

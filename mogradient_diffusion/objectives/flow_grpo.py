@@ -11,7 +11,6 @@ mu_ref)^2 / (2 sigma_t^2)), is not harmonized: it goes in ``extra``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -30,6 +29,7 @@ from mogradient_diffusion.objectives.base import (
     StepMetrics,
     TrainPiece,
     applicable_counts,
+    check_real,
 )
 from mogradient_diffusion.objectives.step_rollout import (
     RatioTracker,
@@ -73,11 +73,11 @@ class FlowGRPOSettings:
     detach_uncond: bool = True
 
     def __post_init__(self) -> None:
-        _check_positive("clip_range", self.clip_range)
-        _check_positive("kl_coefficient", self.kl_coefficient, allow_zero=True)
-        _check_positive("noise_level", self.noise_level)
-        _check_positive("advantage_clip", self.advantage_clip)
-        _check_positive("std_eps", self.std_eps)
+        check_real("clip_range", self.clip_range, low=0, open_low=True)
+        check_real("kl_coefficient", self.kl_coefficient, low=0)
+        check_real("noise_level", self.noise_level, low=0, open_low=True)
+        check_real("advantage_clip", self.advantage_clip, low=0, open_low=True)
+        check_real("std_eps", self.std_eps, low=0, open_low=True)
         if self.window_size is not None and (
             not isinstance(self.window_size, int) or self.window_size < 1
         ):
@@ -180,7 +180,6 @@ class FlowGRPOObjective(Stateless):
 
     name: ClassVar[str] = "flow_grpo"
     settings_type: ClassVar[type] = FlowGRPOSettings
-    sampler = "sde"
 
     def __init__(self, settings: FlowGRPOSettings) -> None:
         self.settings = settings
@@ -268,13 +267,6 @@ class FlowGRPOObjective(Stateless):
                     ),
                 )
         ratios.close()
-
-
-def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{name} must be a finite number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
 __all__ = [

@@ -93,7 +93,6 @@ class NFTObjective(Stateless):
 
     name: ClassVar[str] = "nft"
     settings_type: ClassVar[type] = NFTSettings
-    sampler = "ode"
 
     def __init__(self, settings: NFTSettings) -> None:
         self.settings = settings

@@ -12,7 +12,6 @@ noise - x0, so the implied clean sample is x0_hat = x_t - t * v.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -20,18 +19,10 @@ import torch
 
 from mogradient.objectives import CombinableLoss, RowValues, masked_mean_coefficients
 from mogradient_diffusion.advantages import STD_MODES
+from mogradient_diffusion.objectives.base import check_real
 
 NFTForm = Literal["x0_adaptive", "velocity"]
 FORMS: tuple[str, ...] = get_args(NFTForm)
-
-
-def check_number(name: str, value: float, *, allow_zero: bool = False) -> None:
-    """A real, finite, positive (or non-negative) hyper-parameter, else TypeError/ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -65,10 +56,10 @@ class NFTSettings:
     shared_noise: bool = False
 
     def __post_init__(self) -> None:
-        check_number("beta", self.beta)
-        check_number("a_max", self.a_max)
-        check_number("kl_coefficient", self.kl_coefficient, allow_zero=True)
-        check_number("adaptive_weight_floor", self.adaptive_weight_floor)
+        check_real("beta", self.beta, low=0, open_low=True)
+        check_real("a_max", self.a_max, low=0, open_low=True)
+        check_real("kl_coefficient", self.kl_coefficient, low=0)
+        check_real("adaptive_weight_floor", self.adaptive_weight_floor, low=0, open_low=True)
         if self.form not in FORMS:
             raise ValueError(f"form must be one of {list(FORMS)}, got {self.form!r}")
         if self.advantage_std not in STD_MODES:
@@ -158,7 +149,7 @@ def nft_branch_errors(
 
 def nft_ratios(advantages: torch.Tensor, a_max: float) -> torch.Tensor:
     """r = clip(1/2 + A / (2 a_max), 0, 1); NaN (reward not applicable) stays NaN."""
-    check_number("a_max", a_max)
+    check_real("a_max", a_max, low=0, open_low=True)
     return (0.5 + advantages / (2 * a_max)).clamp(0.0, 1.0)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -39,6 +38,7 @@ from mogradient_diffusion.objectives.base import (
     StepMetrics,
     TrainPiece,
     applicable_counts,
+    check_real,
 )
 from mogradient_diffusion.objectives.sdpo_advantages import (
     AnchorSimilarities,
@@ -89,9 +89,9 @@ class SDPOSettings:
 
     def __post_init__(self) -> None:
         for name in ("noise_level", "clip_range", "log_ratio_scale", "advantage_clip"):
-            _check_real(name, getattr(self, name), low=0.0, open_low=True)
+            check_real(name, getattr(self, name), low=0.0, open_low=True)
         for name in ("gamma", "step_decay"):
-            _check_real(name, getattr(self, name), low=0.0, high=1.0)
+            check_real(name, getattr(self, name), low=0.0, high=1.0)
         for name in ("buffer_size", "min_count"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -245,7 +245,6 @@ class SDPOObjective:
 
     name: ClassVar[str] = "sdpo"
     settings_type: ClassVar[type] = SDPOSettings
-    sampler = "sde_pairs"
 
     def __init__(self, settings: SDPOSettings) -> None:
         self.settings = settings
@@ -409,21 +408,6 @@ def _nan_mean(values: Tensor) -> Tensor:
     """Per column mean over the non-NaN rows (NaN for a column without any)."""
     present = ~torch.isnan(values)
     return torch.where(present, values, 0).sum(0) / present.sum(0)
-
-
-def _check_real(
-    name: str,
-    value: float,
-    low: float | None = None,
-    high: float | None = None,
-    open_low: bool = False,
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{name} must be a finite number, got {value!r}")
-    if low is not None and (value < low or (open_low and value == low)):
-        raise ValueError(f"{name} must be {'>' if open_low else '>='} {low}, got {value!r}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value!r}")
 
 
 __all__ = [
