@@ -1,4 +1,4 @@
-"""Atomic checkpoints and RNG capture, for resuming a run exactly where it stopped.
+"""Atomic checkpoints, for resuming a run exactly where it stopped.
 
 A checkpoint is ``run_dir/checkpoints/step_XXXXXXXX/`` holding ``state.pt`` (torch.save of
 the state dict) and ``manifest.json``. It is written into a hidden temporary sibling,
@@ -17,17 +17,14 @@ import hashlib
 import json
 import os
 import pickle
-import random
 import re
 import shutil
 import time
 import uuid
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-import numpy as np
 import torch
 
 STATE_FILE = "state.pt"
@@ -164,7 +161,7 @@ def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> di
     """The state saved in checkpoint directory ``path``, with tensors on the CPU.
 
     ``weights_only`` (torch.load's safe unpickler) accepts tensors, containers and plain
-    numbers, which covers model, optimizer and ``rng_state()`` states; pass False only for
+    numbers, which covers model and optimizer states; pass False only for
     trusted checkpoints holding other objects.
     """
     path = Path(path)
@@ -258,60 +255,3 @@ def keep_last(run_dir: str | os.PathLike, n: int) -> list[Path]:
         shutil.rmtree(doomed)
         removed.append(path)
     return removed
-
-
-def rng_state(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
-    """Python, numpy, torch CPU and current CUDA device RNG states, and named generators.
-
-    The CUDA state is the current device's only: under DDP each rank owns one device, so
-    each rank captures its own (gather them if one rank writes). Only tensors, numbers and
-    containers, so ``load_checkpoint(weights_only=True)`` reads it.
-    """
-    numpy_state = np.random.get_state(legacy=False)
-    version, internal, gauss = random.getstate()
-    return {
-        "python": {"version": version, "internal": list(internal), "gauss": gauss},
-        "numpy": {
-            "bit_generator": numpy_state["bit_generator"],
-            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-            "pos": int(numpy_state["state"]["pos"]),
-            "has_gauss": int(numpy_state["has_gauss"]),
-            "gauss": float(numpy_state["gauss"]),
-        },
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
-    }
-
-
-def set_rng_state(
-    state: Mapping[str, Any], generators: Mapping[str, torch.Generator] | None = None
-) -> None:
-    """Restore what ``rng_state`` captured; each generator passed must be in ``state``."""
-    python = state["python"]
-    random.setstate((python["version"], tuple(python["internal"]), python["gauss"]))
-    numpy = state["numpy"]
-    np.random.set_state(
-        {
-            "bit_generator": numpy["bit_generator"],
-            "state": {"key": numpy["key"].numpy().astype(np.uint32), "pos": numpy["pos"]},
-            "has_gauss": numpy["has_gauss"],
-            "gauss": numpy["gauss"],
-        }
-    )
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None:
-        if torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
-        else:
-            warnings.warn(
-                "checkpoint holds a CUDA RNG state but CUDA is not available: "
-                "CUDA draws will not replay",
-                stacklevel=2,
-            )
-    for name, generator in (generators or {}).items():
-        if name not in state["generators"]:
-            raise KeyError(
-                f"no saved state for generator {name!r}; saved: {sorted(state['generators'])}"
-            )
-        generator.set_state(state["generators"][name])

@@ -17,7 +17,7 @@ from .image_reward import ImageReward
 from .jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kilobytes
 from .local_weights import MissingWeightsError
 from .ocr import OcrReward, levenshtein, normalize_text, quoted_text, text_match_score
-from .registry import REWARDS, make_reward, make_reward_set, register_reward
+from .registry import REWARDS, make_reward, register_reward
 from .reward_set import RewardScores, RewardSet
 from .unified_reward import UnifiedReward
 
@@ -48,7 +48,6 @@ __all__ = [
     "jpeg_kilobytes",
     "levenshtein",
     "make_reward",
-    "make_reward_set",
     "normalize_text",
     "quoted_text",
     "register_reward",

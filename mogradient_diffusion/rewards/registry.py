@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from .base import Reward
-from .reward_set import RewardSet
 
 REWARDS: dict[str, type[Reward]] = {}
 
@@ -30,12 +28,3 @@ def make_reward(name: str, **options: Any) -> Reward:
         return REWARDS[name](**options)
     except TypeError as exc:
         raise TypeError(f"reward {name!r}: bad options {sorted(options)}: {exc}") from exc
-
-
-def make_reward_set(spec: Sequence[str] | Mapping[str, Mapping[str, Any]]) -> RewardSet:
-    """A ``RewardSet`` from reward names, or from ``{name: options}`` (config files)."""
-    if isinstance(spec, Mapping):
-        return RewardSet([make_reward(name, **dict(opts)) for name, opts in spec.items()])
-    if isinstance(spec, str):
-        raise TypeError("make_reward_set expects a list of names, not one string")
-    return RewardSet([make_reward(name) for name in spec])

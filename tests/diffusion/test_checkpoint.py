@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,9 +14,7 @@ from mogradient_diffusion.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_newest_intact,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
 
 
@@ -32,19 +28,7 @@ def _state(step: int) -> dict:
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "nested": {"weights": torch.arange(5.0), "counts": [1, 2, {"deep": torch.ones(2)}]},
-        "rng": rng_state({"noise": torch.Generator().manual_seed(step)}),
     }
-
-
-def _draws(generator: torch.Generator) -> tuple:
-    return (
-        random.random(),
-        random.gauss(0, 1),
-        np.random.rand(3).tolist(),
-        np.random.normal(),
-        torch.rand(3).tolist(),
-        torch.randn(2, generator=generator).tolist(),
-    )
 
 
 def test_round_trip_of_nested_state(tmp_path: Path) -> None:
@@ -58,22 +42,6 @@ def test_round_trip_of_nested_state(tmp_path: Path) -> None:
     torch.testing.assert_close(loaded["model"], state["model"])
     torch.testing.assert_close(loaded["optimizer"]["state"], state["optimizer"]["state"])
     assert loaded["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
-    torch.testing.assert_close(loaded["rng"]["torch"], state["rng"]["torch"])
-
-
-def test_restored_rng_state_replays_the_same_draws(tmp_path: Path) -> None:
-    generator = torch.Generator().manual_seed(3)
-    random.seed(1)
-    np.random.seed(2)
-    random.gauss(0, 1)  # leaves a cached gaussian in python's state
-    np.random.normal()
-    path = save_checkpoint(tmp_path, 1, {"rng": rng_state({"noise": generator})})
-    expected = _draws(generator)
-    _draws(generator)  # move every stream on
-    set_rng_state(load_checkpoint(path)["rng"], {"noise": generator})
-    assert _draws(generator) == expected
-    with pytest.raises(KeyError, match="no saved state for generator 'other'"):
-        set_rng_state(load_checkpoint(path)["rng"], {"other": torch.Generator()})
 
 
 def test_exception_inside_the_write_keeps_the_previous_checkpoint(

@@ -26,7 +26,6 @@ from mogradient_diffusion.rewards import (
     count_objects,
     levenshtein,
     make_reward,
-    make_reward_set,
     normalize_text,
     quoted_text,
     register_reward,
@@ -146,9 +145,6 @@ def test_registry(monkeypatch):
         make_reward("nope")
     with pytest.raises(TypeError, match="reward 'color_match': bad options"):
         make_reward("color_match", colour=1)
-    reward_set = make_reward_set({"color_match": {"min_share": 0.2}, "count_match": {}})
-    assert reward_set.names == ("color_match", "count_match")
-    assert make_reward_set(["jpeg_compressibility"]).names == ("jpeg_compressibility",)
 
     monkeypatch.setattr(registry_module, "REWARDS", dict(REWARDS))
 
