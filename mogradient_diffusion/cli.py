@@ -339,7 +339,7 @@ def _train(
         _note_moved_run(config_path)
     from mogradient_diffusion.checkpoint import CorruptCheckpointError
     from mogradient_diffusion.rewards import RewardError
-    from mogradient_diffusion.run_lock import RunLock, describe_holder
+    from mogradient_diffusion.run_lock import RunDirectoryLocked, RunLock, describe_holder
     from mogradient_diffusion.trainer import NonFiniteError, RunComplete, Trainer
 
     world = World.from_environment(config.model.device)
@@ -351,7 +351,7 @@ def _train(
                 holder = describe_holder(lock.previous)
                 print(f"mogradient-diffusion: taking over the lock left by {holder} (not running)")
         run_dir = Trainer(config, world, allow_config_change=allow_change).run()
-    except (ConfigError, FileNotFoundError) as error:
+    except (ConfigError, FileNotFoundError, RunDirectoryLocked) as error:
         print(f"mogradient-diffusion: {error}", file=sys.stderr)
         return 2
     except RunComplete as done:

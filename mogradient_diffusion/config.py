@@ -23,6 +23,7 @@ import yaml
 
 from mogradient_diffusion.objectives import UnknownObjectiveError, objective_class
 from mogradient_diffusion.policy import DTYPES, LoraSpec
+from mogradient_diffusion.sampling.solver import SAMPLERS
 from mogradient_diffusion.settings import (
     ConfigError,
     ModelConfig,
@@ -88,7 +89,6 @@ STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
     "pcgrad": _AMORTIZED,
 }
 HARMONIZER_OPTIONS = (*_AMORTIZED, "options")
-SAMPLERS = ("euler", "dpm2", "sde")
 RUN_CONFIG_NAME = re.compile(r"config\.yaml|resume-\d+\.yaml")
 MAX_SEED = 2**63 - 1  # numpy and torch take any seed in [0, 2**63)
 
@@ -462,10 +462,6 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-# Top-level sections that moved, and how to write them now.
-RENAMED = {"nft": "the 'nft:' section is now 'objective: {name: nft, ...}' (same options)"}
-
-
 def _build(cls: type, data: Any, where: str) -> Any:
     """A config dataclass from a mapping; its own ``__post_init__`` checks become
     ConfigErrors naming the key (their messages start with the field name)."""
@@ -475,8 +471,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
     names = {item.name for item in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        moved = "".join(f"; {RENAMED[k]}" for k in unknown if where == "config" and k in RENAMED)
-        raise ConfigError(f"unknown key(s) {unknown} in {where}; known: {sorted(names)}{moved}")
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; known: {sorted(names)}")
     values = {key: _convert(hints[key], value, f"{where}.{key}") for key, value in data.items()}
     try:
         return cls(**values)

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from mogradient_diffusion.config import ConfigError, TrainingConfig
+from mogradient_diffusion.config import ConfigError
 
 # Never part of the comparison: the length of the run, console noise, the directory
 # itself (a run may be moved), and the gradient engine (the same gradients up to round-off).
@@ -42,7 +42,6 @@ def check_resume(
     saved: dict[str, Any], current: dict[str, Any], run_dir: Path, allow_change: bool
 ) -> dict[str, tuple]:
     """The changes a resume applies; raises ConfigError (one line) for a refused one."""
-    saved = upgrade_saved_config(saved)
     changes = {key: pair for key, pair in config_changes(saved, current).items() if key not in FREE}
     own_config = latest_settings(run_dir)
     fixed = [key for key in changes if any(key == f or key.startswith(f + ".") for f in FIXED)]
@@ -74,21 +73,6 @@ def _resume_records(run_dir: Path) -> dict[int, Path]:
         return {}
     found = (re.fullmatch(r"resume-(\d+)\.yaml", path.name) for path in run_dir.iterdir())
     return {int(match.group(1)): run_dir / match.group(0) for match in found if match}
-
-
-def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
-    """A config saved before the objective interface, in today's layout.
-
-    Those runs trained DiffusionNFT from an ``nft:`` section and had no LoRA ``init`` or
-    ``target_modules`` keys; what they ran with is today's defaults for the keys they lack.
-    """
-    if "nft" not in saved and "objective" in saved:
-        return saved
-    defaults = TrainingConfig().to_dict()
-    upgraded = {key: value for key, value in saved.items() if key != "nft"}
-    upgraded["objective"] = {**defaults["objective"], **saved.get("nft", {}), "name": "nft"}
-    upgraded["lora"] = {**defaults["lora"], **saved.get("lora", {})}
-    return upgraded
 
 
 def write_resume_record(

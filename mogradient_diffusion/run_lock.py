@@ -16,13 +16,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from mogradient_diffusion.settings import ConfigError
-
 LOCK_FILE = "train.lock"
 
 
-class RunDirectoryLocked(ConfigError):
-    """Another live trainer holds the run directory."""
+class RunDirectoryLocked(RuntimeError):
+    """Another live trainer holds the run directory: a user error (exit 2), not a config one."""
 
 
 class RunLock:

@@ -43,9 +43,7 @@ def test_objective_section_is_the_objectives_own_settings() -> None:
     assert plain == {"name": "nft", **NFTSettings(beta=0.5, advantage_std="group").__dict__}
     with pytest.raises(ConfigError, match=r"objective\.advantage_std must be one of"):
         load_config(preset="tiny", overrides=["objective.advantage_std=batch"])
-    with pytest.raises(
-        ConfigError, match=r"unknown key\(s\) \['nft'\].*is now 'objective: {name: nft"
-    ):
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['nft'\].*'objective'"):
         load_config(preset="tiny", overrides=["nft.beta=0.5"])
 
 

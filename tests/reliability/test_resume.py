@@ -82,27 +82,6 @@ def test_a_run_directory_with_another_config_and_no_checkpoint_is_refused(
     assert "train.learning_rate (0.1 -> 0.001)" in error and error.count(" -> ") == 1
 
 
-def _legacy(config: dict) -> dict:
-    """A config as runs saved it before the objective interface: an ``nft:`` section
-    without ``adaptive_weight_floor``, and LoRA settings without init and targets."""
-    legacy = {key: value for key, value in config.items() if key != "objective"}
-    nft = {
-        k: v for k, v in config["objective"].items() if k not in ("name", "adaptive_weight_floor")
-    }
-    lora = {k: v for k, v in config["lora"].items() if k not in ("init", "target_modules")}
-    return {**legacy, "nft": nft, "lora": {**lora, "alpha": int(lora["alpha"])}}
-
-
-def test_a_run_saved_before_the_objective_interface_resumes_as_the_same_run(
-    tmp_path: Path,
-) -> None:
-    current = load_config(preset="tiny").to_dict()
-    assert check_resume(_legacy(current), current, tmp_path, allow_change=False) == {}
-    changed = load_config(preset="tiny", overrides=["objective.beta=0.5"]).to_dict()
-    with pytest.raises(ConfigError, match=r"objective\.beta \(0\.1 -> 0\.5\)"):
-        check_resume(_legacy(current), changed, tmp_path, allow_change=False)
-
-
 def test_the_objective_cannot_change_when_a_run_resumes(tmp_path: Path) -> None:
     saved = load_config(preset="tiny").to_dict()
     other = {**saved, "objective": {**saved["objective"], "name": "sdpo"}}
