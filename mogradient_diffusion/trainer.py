@@ -112,7 +112,7 @@ class Trainer:
         self.run_dir = Path(config.run.directory)
         self.rewards = build_rewards(config)
         self.reward_names = [r.name for r in config.rewards]
-        self.sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
+        self.prompt_sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
         self._restored, self._resume_changes = self._saved_run()
         if self._restored is not None and self._restored.state["epoch"] >= config.train.epochs:
             raise RunComplete(
@@ -352,7 +352,7 @@ class Trainer:
         if self.strategy.needs_gradients():
             weights, record = self._solve_step(losses, count, self._replayer(step, replay))
         else:
-            weights, record = self._cached_step(losses, count)
+            weights, record = self._combined_step(losses, count)
         record.update({f"objective/{key}": value for key, value in metrics.summary().items()})
         started = time.perf_counter()
         record["time/probe"] = 0.0
@@ -424,7 +424,7 @@ class Trainer:
                 "K-backward engine (train.gradient_engine=batched)"
             )
 
-    def _cached_step(self, losses: LossStream, count: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _combined_step(self, losses: LossStream, count: int) -> tuple[torch.Tensor, dict[str, Any]]:
         """Rank 0's cached or fixed weights, and one combined backward per piece."""
         cached = self.strategy.weights(None, count)
         weights = self.world.broadcast(cached.weights)
@@ -538,7 +538,7 @@ class Trainer:
     # ------------------------------------------------------------- helpers
     def _epoch_prompts(self) -> list[SampledPrompt]:
         """This rank's share of the epoch's prompts (every rank draws the same list)."""
-        drawn = self.sampler.sample(self.config.rollout.prompts_per_epoch)
+        drawn = self.prompt_sampler.sample(self.config.rollout.prompts_per_epoch)
         per_rank = len(drawn) // self.world.size
         return drawn[self.world.rank * per_rank : (self.world.rank + 1) * per_rank]
 
@@ -603,7 +603,7 @@ class Trainer:
         if self._probe_input is None:
             shape = self.policy.latent_shape(self.config.rollout.resolution)
             noise = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
-            prompt = self.sampler.sources[0].prompts[0]
+            prompt = self.prompt_sampler.sources[0].prompts[0]
             length = self.config.rollout.max_sequence_length
             embeds = self.policy.encode_prompts([prompt], max_sequence_length=length)
             self._probe_input = (noise.to(self.world.device), embeds)
@@ -635,7 +635,7 @@ class Trainer:
             "ema": self.ema.state_dict(),
             "strategy": self.strategy.state_dict(),
             "objective": self.objective.state_dict(),
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.prompt_sampler.state_dict(),
             "config": self.config.to_dict(),
         }
         save_checkpoint(self.run_dir, self.epoch, state)
@@ -663,13 +663,13 @@ class Trainer:
         """The prompt files must be those the run was saved with: another line count is
         refused (the saved position means nothing there), edited text needs the flag."""
         try:
-            self.sampler.check_state(saved)
+            self.prompt_sampler.check_state(saved)
         except ValueError as error:
             raise ConfigError(
                 f"{self.run_dir}: the prompt files changed since the run was saved ({error}); "
                 "restore them, or use a new run.directory"
             ) from None
-        edited = self.sampler.edited_sources(saved)
+        edited = self.prompt_sampler.edited_sources(saved)
         if edited and not self.allow_config_change:
             raise ConfigError(
                 f"{self.run_dir}: the text of prompt source(s) {edited} changed since the run "
@@ -699,7 +699,7 @@ class Trainer:
         self.ema.decay = train.ema_decay
         self.strategy.load_state_dict(state["strategy"])
         self.objective.load_state_dict(state.get("objective", {}))  # none saved before 12
-        self.sampler.load_state_dict(state["sampler"])
+        self.prompt_sampler.load_state_dict(state["sampler"])
         self.epoch = int(state["epoch"])
         self.optimizer_step = int(state["optimizer_step"])
         epochs = self.world.all_gather_rows(torch.tensor([self.epoch], device=self.world.device))
