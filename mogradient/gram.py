@@ -1,17 +1,13 @@
 """Gram matrices of per-objective gradient stacks that are always symmetric PSD.
 
 A float32 Gram of a large rank-deficient Jacobian computed in one matmul often has
-slightly negative eigenvalues, which makes QP-based harmonizers fail. We sum short
-float32 products over cache-sized column blocks, add the block sums in float64,
-symmetrize, and clip the round-off sized negative eigenvalues. Float32 CPU stacks go
-through a compiled kernel (``native_gram``) that does this in one read of the stack;
-elsewhere, or without a C compiler, all blocks are multiplied in one batched matmul in
-the stack's own precision. Measured on a 2-core AMD EPYC, a 5 x 2e7 float32 stack takes
-~21 ms with the kernel, ~37 ms with the batched matmul and ~110 ms in one float32
-``J @ J.T`` (one read of the stack: ~14 ms); on Gaussian rows their largest errors,
-relative to the largest entry, are 5e-10, 1e-7 and 6e-3.
-The optimality gap of a QP solved on this Gram is second order in its error;
-``upcast=True`` multiplies in float64 as well.
+slightly negative eigenvalues, which makes QP-based harmonizers fail. We multiply
+cache-sized column blocks in one batched matmul in the stack's own precision, add the
+block products in float64, symmetrize, and clip the round-off sized negative
+eigenvalues: faster than one ``J @ J.T`` of a long stack, and far more accurate (times
+and errors in benchmarks/results/mgda_exactness.md and native_gram.md). The optimality
+gap of a QP solved on this Gram is second order in its error; ``upcast=True``
+multiplies in float64 as well.
 
 Gradient norms may differ by many orders of magnitude. Three things keep small gradients
 exact: rows whose squared norm over- or underflows the multiplication dtype are scaled
@@ -28,8 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from mogradient.native_gram import float32_gram
 
 DEFAULT_BLOCK_COLUMNS = 1 << 14
 # Columns converted at a time when upcasting or widening half types (bounds the memory).
@@ -107,10 +101,6 @@ def _summed_products(
     row_exponents: torch.Tensor | None,
 ) -> torch.Tensor:
     """Float64 sum of blocked products over column spans, rows optionally scaled by 2^-e."""
-    if row_exponents is None and compute_dtype == jacobian.dtype:
-        native = float32_gram(jacobian)
-        if native is not None:
-            return native
     size = jacobian.shape[0]
     gram = torch.zeros(size, size, dtype=torch.float64, device=jacobian.device)
     if row_exponents is not None:
@@ -189,9 +179,9 @@ def _blocked_products(piece: torch.Tensor, block_columns: int) -> torch.Tensor:
 
     The bmm spreads its blocks over torch's threads (the BLAS inside each runs on one).
     A lone small matmul, by contrast, is threaded by MKL, and on a machine shared with
-    other jobs its parallel region waits 10 to 30 ms for a descheduled thread (measured
-    on a loaded 2-core EPYC, for a product that takes 25 us): leftover columns and small
-    stacks go through single-threaded matrix-vector products instead.
+    other jobs its parallel region waits for a descheduled thread, many times the
+    product's own time (the caveat in benchmarks/results/mgda_exactness.md): leftover
+    columns and small stacks go through single-threaded matrix-vector products instead.
     """
     num_objectives, width = piece.shape
     full = width // block_columns if width >= 2 * block_columns else 0

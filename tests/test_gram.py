@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from tolerances import reduction_atol
 
-from mogradient.gram import gram_matrix, make_psd
+from mogradient.gram import DEFAULT_BLOCK_COLUMNS, accumulate_gram, gram_matrix, make_psd
 
 
 def _rank_deficient_stack(rows: int, rank: int, columns: int) -> torch.Tensor:
@@ -37,6 +39,28 @@ def test_chunked_gram_matches_float64_reference() -> None:
     assert native.dtype == torch.float64
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocks_threads_and_strided_rows_give_the_float64_gram(threads: int) -> None:
+    """Full blocks (one bmm over the threads), a leftover block, rows of a wider tensor."""
+    generator = torch.Generator().manual_seed(threads)
+    scales = 10.0 ** torch.empty(5, 1).uniform_(-3, 3, generator=generator)
+    wide = torch.randn(5, 3 * DEFAULT_BLOCK_COLUMNS + 1001, generator=generator) * scales
+    stack = wide[:, 3:-5]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gram = accumulate_gram(stack)
+    finally:
+        torch.set_num_threads(before)
+    exact = stack.double() @ stack.double().T  # products of float32s are exact in float64
+    # Each block is one float32 reduction of its columns; float64 adds the blocks.
+    bound = reduction_atol(torch.float32, DEFAULT_BLOCK_COLUMNS, 1.0) * (
+        stack.double().abs() @ stack.double().abs().T
+    )
+    assert torch.equal(gram, gram.T)
+    assert ((gram - exact).abs() <= bound).all()
+
+
 def test_make_psd_clips_only_negative_eigenvalues() -> None:
     indefinite = torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64)
     assert torch.linalg.eigvalsh(make_psd(indefinite)).min() >= -1e-15
@@ -45,7 +69,5 @@ def test_make_psd_clips_only_negative_eigenvalues() -> None:
 
 
 def test_bad_shapes_are_named() -> None:
-    import pytest
-
     with pytest.raises(ValueError, match="2-D gradient stack"):
         gram_matrix(torch.zeros(3))
