@@ -36,9 +36,9 @@ from common import (
     write_results,
 )
 
-from mogradient.gram import accumulate_gram
+from mogradient._gram import accumulate_gram
+from mogradient._qp import solve_simplex_qp
 from mogradient.harmonizers import HARMONIZERS, MGDA, combine
-from mogradient.qp import solve_simplex_qp
 
 NAME = "mgda_exactness"
 CONFLICT_SCALE = 2.0

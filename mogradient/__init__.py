@@ -1,5 +1,8 @@
 """mogradient: exact multi-objective gradient harmonization for PyTorch."""
 
+from mogradient._gram import gram_matrix
+from mogradient._qp import SimplexQPSolution, solve_simplex_qp
+from mogradient._qp_cone import ConeQPSolution, solve_cone_qp
 from mogradient.amortize import AmortizedStep, Amortizer
 from mogradient.diagnostics import ConflictAccumulator, conflict_diagnostics
 from mogradient.ema import WeightEMA
@@ -10,7 +13,6 @@ from mogradient.gradients import (
     select_parameters,
     write_gradient,
 )
-from mogradient.gram import gram_matrix
 from mogradient.harmonizers import (
     HARMONIZERS,
     IMTLG,
@@ -31,8 +33,6 @@ from mogradient.harmonizers import (
     make_harmonizer,
 )
 from mogradient.objectives import CombinableLoss, masked_mean_coefficients
-from mogradient.qp import SimplexQPSolution, solve_simplex_qp
-from mogradient.qp_cone import ConeQPSolution, solve_cone_qp
 
 __version__ = "0.1.0"
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mogradient._external_qp import solve_with_cvxpy, solve_with_qpsolvers
+from mogradient._gram import validated_gram
 from mogradient.errors import SolverError
-from mogradient.external_qp import solve_with_cvxpy, solve_with_qpsolvers
-from mogradient.gram import validated_gram
 
 _MAX_ITERATIONS = 1000
 _EPS = float(np.finfo(np.float64).eps)
@@ -52,7 +52,7 @@ def solve_simplex_qp(gram: np.ndarray, backend: str = "builtin") -> SimplexQPSol
 
     ``backend`` is ``"builtin"`` (exact, default), ``"cvxpy"`` or ``"qpsolvers:<solver>"``
     (e.g. ``"qpsolvers:quadprog"``). ``gram`` is checked as every Gram passed in is
-    (:func:`mogradient.gram.validated_gram`). A zero row (a zero gradient) puts the
+    (:func:`mogradient._gram.validated_gram`). A zero row (a zero gradient) puts the
     minimum at 0: such rows share the weight equally.
     """
     _check_backend(backend)
@@ -73,7 +73,7 @@ def solve_simplex_qp_factored(
     """The same QP for G = diag(norms) cosines diag(norms), with positive ``norms``.
 
     For callers that hold the Gram as cosines and norms
-    (:class:`mogradient.gram.CosineGram`), whose products may not fit in float64.
+    (:class:`mogradient._gram.CosineGram`), whose products may not fit in float64.
     The objective is in units of ``norms`` squared.
     """
     _check_backend(backend)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mogradient.external_qp import solve_with_cvxpy, solve_with_qpsolvers
-from mogradient.gram import validated_gram
-from mogradient.span import coordinates_from_cosines
+from mogradient._external_qp import solve_with_cvxpy, solve_with_qpsolvers
+from mogradient._gram import validated_gram
+from mogradient._span import coordinates_from_cosines
 
 _TOLERANCE = 1e-13
 # A violated constraint must exceed this many units of round-off in A^T y (|y| <= |point|).
@@ -55,7 +55,7 @@ def solve_cone_qp(gram: np.ndarray, lower: np.ndarray, backend: str = "builtin")
 
     ``backend`` is ``"builtin"`` (exact active set, default), ``"cvxpy"`` or
     ``"qpsolvers:<solver>"``. ``gram`` is checked as every Gram passed in is
-    (:func:`mogradient.gram.validated_gram`). The built-in solver works in the span
+    (:func:`mogradient._gram.validated_gram`). The built-in solver works in the span
     coordinates of the cosine matrix C = D^-1 G D^-1 (D = diag(||g_k||)), which stays
     well-conditioned when the gradients' norms differ by many orders of magnitude; the
     external backends get G / max(diag G) and lower / max|lower|. Results do not depend
@@ -83,7 +83,7 @@ def solve_cone_qp_factored(
 ) -> ConeQPSolution:
     """The same QP for G = diag(norms) cosines diag(norms) (norms >= 0; a zero norm's
     cosines are ignored), for callers that hold the Gram as cosines and norms
-    (:class:`mogradient.gram.CosineGram`). The objective is in units of ``norms`` squared.
+    (:class:`mogradient._gram.CosineGram`). The objective is in units of ``norms`` squared.
     """
     cosines = np.asarray(cosines, dtype=np.float64)
     norms = np.asarray(norms, dtype=np.float64)
@@ -145,7 +145,7 @@ def project_in_span(
     """The dual-cone projection of J^T lower, in exact span coordinates of the stack.
 
     ``coordinates`` (r x K) and ``norms`` come from
-    :func:`mogradient.span.coordinates_from_stack` (unit rows^T = Q R): the same
+    :func:`mogradient._span.coordinates_from_stack` (unit rows^T = Q R): the same
     active-set method as the Gram path, on R instead of a Gram square root, so
     near-dependent gradients lose nothing. Returns weights v >= lower (possibly large:
     they cancel), the projection's coordinates y (d = Q y, formed without that

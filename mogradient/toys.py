@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mogradient._gram import gram_matrix
+from mogradient._qp import solve_simplex_qp
 from mogradient.diagnostics import conflict_diagnostics
 from mogradient.gradients import write_gradient
-from mogradient.gram import gram_matrix
 from mogradient.harmonizers.base import Harmonizer
-from mogradient.qp import solve_simplex_qp
 
 LOWER = 5e-6
 """Floor inside the logarithms of the CAGrad toy (keeps the valleys finite)."""

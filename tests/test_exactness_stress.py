@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mogradient import make_harmonizer
-from mogradient.qp import solve_simplex_qp
+from mogradient._qp import solve_simplex_qp
 
 cp = pytest.importorskip("cvxpy")
 qpsolvers = pytest.importorskip("qpsolvers")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tolerances import reduction_atol
 
-from mogradient.gram import DEFAULT_BLOCK_COLUMNS, accumulate_gram, gram_matrix, make_psd
+from mogradient._gram import DEFAULT_BLOCK_COLUMNS, accumulate_gram, gram_matrix, make_psd
 
 
 def _rank_deficient_stack(rows: int, rank: int, columns: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from mogradient import (
     conflict_diagnostics,
     make_harmonizer,
 )
-from mogradient.qp import solve_simplex_qp
+from mogradient._qp import solve_simplex_qp
 
 TORCHJD_EXAMPLE = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]], dtype=torch.float64)
 

@@ -29,7 +29,7 @@ from mogradient import (
     UPGrad,
     make_harmonizer,
 )
-from mogradient.qp_cone import cone_kkt_residual, solve_cone_qp
+from mogradient._qp_cone import cone_kkt_residual, solve_cone_qp
 
 aggregation = pytest.importorskip("torchjd.aggregation")
 dual_cone = pytest.importorskip("torchjd._linalg")

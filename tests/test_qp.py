@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from mogradient.qp import simplex_kkt_residual, solve_simplex_qp
+from mogradient._qp import simplex_kkt_residual, solve_simplex_qp
 
 EXTERNAL_BACKENDS = [
     "cvxpy",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mogradient.gram import CosineGram
+from mogradient._gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
 from mogradient.harmonizers.upgrad import preferences_for
 

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mogradient._gram import CosineGram, scaled_gram, unscaled, validated_gram
 from mogradient.errors import SolverError
-from mogradient.gram import CosineGram, scaled_gram, unscaled, validated_gram
 
 # Columns per block of the batched direction product (large enough that per-block
 # overhead is negligible, small enough that mid-sized stacks still split over threads).
@@ -290,7 +290,7 @@ def _validated_jacobian(jacobian: torch.Tensor) -> torch.Tensor:
 
 def _usable_objectives(gram: torch.Tensor) -> torch.Tensor:
     """Objectives whose gradient is finite and not exactly zero, read off the diagonal of
-    the row-scaled Gram (:func:`~mogradient.gram.scaled_gram`).
+    the row-scaled Gram (:func:`~mogradient._gram.scaled_gram`).
 
     A NaN or Inf anywhere in a gradient makes its squared norm non-finite; the other
     objectives' entries stay usable. A small gradient is still a gradient: the scaled

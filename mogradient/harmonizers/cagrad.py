@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mogradient.gram import CosineGram
+from mogradient._gram import CosineGram
+from mogradient._qp_cone import near_dependent
+from mogradient._span import coordinates_from_cosines, coordinates_from_stack
 from mogradient.harmonizers.base import Harmonizer, Weighting
-from mogradient.qp_cone import near_dependent
-from mogradient.span import coordinates_from_cosines, coordinates_from_stack
 
 _MAX_ITERATIONS = 200
 _EPS = float(np.finfo(np.float64).eps)

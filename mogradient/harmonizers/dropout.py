@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mogradient.gram import CosineGram
+from mogradient._gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mogradient.gram import CosineGram
+from mogradient._gram import CosineGram
+from mogradient._qp_cone import solve_cone_qp_factored
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
 from mogradient.harmonizers.upgrad import (
     cone_problem,
@@ -12,7 +13,6 @@ from mogradient.harmonizers.upgrad import (
     refined_on_stack,
     validated_reg_eps,
 )
-from mogradient.qp_cone import solve_cone_qp_factored
 
 
 class DualProj(Harmonizer):

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mogradient.gram import CosineGram
+from mogradient._gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting
 
 

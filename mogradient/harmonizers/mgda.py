@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from mogradient.gram import CosineGram
+from mogradient._gram import CosineGram
+from mogradient._qp import solve_simplex_qp_factored
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
-from mogradient.qp import solve_simplex_qp_factored
 
 
 class MGDA(Harmonizer):

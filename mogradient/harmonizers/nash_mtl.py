@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from mogradient.gram import CosineGram
+from mogradient._gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, Weighting
 
 # Newton's answer is accepted only if it solves G alpha = 1/alpha to this relative accuracy;

@@ -7,10 +7,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from mogradient.gram import CosineGram
+from mogradient._gram import CosineGram
+from mogradient._qp_cone import near_dependent, project_in_span, solve_cone_qp_factored
+from mogradient._span import coordinates_from_stack
 from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
-from mogradient.qp_cone import near_dependent, project_in_span, solve_cone_qp_factored
-from mogradient.span import coordinates_from_stack
 
 
 class UPGrad(Harmonizer):
@@ -20,13 +20,13 @@ class UPGrad(Harmonizer):
     dual cone {d : g_k . d >= 0 for all k}; the direction is the sum of the projections,
     so it conflicts with no objective. On the Gram matrix the projection of p_i g_i is
     J^T v_i with v_i = argmin v^T G v s.t. v >= p_i e_i, and the weights are sum_i v_i.
-    Every QP is solved exactly (:func:`mogradient.qp_cone.solve_cone_qp`).
+    Every QP is solved exactly (:func:`mogradient._qp_cone.solve_cone_qp`).
 
     ``reg_eps > 0`` reproduces TorchJD's default projector, which solves the QP on
     G / trace(G) + reg_eps * I (TorchJD uses 1e-4); the default 0 is the exact method.
     With ``refine=True`` (default) and a gradient stack given, near-dependent gradients
     are re-solved in exact span coordinates from a QR of the stack
-    (:func:`mogradient.span.coordinates_from_stack`, one O(D K^2) factorization);
+    (:func:`mogradient._span.coordinates_from_stack`, one O(D K^2) factorization);
     ``refine=False`` keeps the Gram-only solve, cheaper for huge D.
     """
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mogradient import HARMONIZERS, Amortizer, make_harmonizer, solve_cone_qp, solve_simplex_qp
-from mogradient.gram import gram_tolerance
+from mogradient._gram import gram_tolerance
 
 NAN, INF = math.nan, math.inf
 SEEDED = ("gradvac", "pcgrad", "rlw")

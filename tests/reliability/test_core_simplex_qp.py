@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mogradient import make_harmonizer
-from mogradient.qp import simplex_kkt_residual, solve_simplex_qp
+from mogradient._qp import simplex_kkt_residual, solve_simplex_qp
 
 EPS = float(np.finfo(np.float64).eps)
 # Found in the issue: the large third row hid the conflict of d = g_0 with g_1.

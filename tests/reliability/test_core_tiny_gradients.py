@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mogradient import HARMONIZERS, Amortizer, make_harmonizer
-from mogradient.gram import gram_matrix, scaled_gram
+from mogradient._gram import gram_matrix, scaled_gram
 
 from .test_core_simplex_qp import exact_min_norm_point
 
