@@ -21,8 +21,8 @@ from mogradient.errors import SolverError
 # Columns per block of the batched direction product (large enough that per-block
 # overhead is negligible, small enough that mid-sized stacks still split over threads).
 _COMBINE_BLOCK_COLUMNS = 1 << 16
-# Stack entries from which the direction is computed on all threads: about 4 ms on one
-# thread, so a parallel region's possible wait for a descheduled thread is amortized.
+# Stack entries from which the direction is computed on all threads: a pass long enough
+# that a parallel region's possible wait for a descheduled thread is amortized.
 _PARALLEL_COMBINE_ENTRIES = 1 << 24
 _NUMPY_DTYPES = {
     torch.float16: np.float16,
@@ -189,8 +189,8 @@ def _new_vector(jacobian: torch.Tensor) -> torch.Tensor:
     """An uninitialized length-D vector like the stack's rows, on CPU from numpy.
 
     Why numpy: it asks Linux for transparent huge pages on large arrays, and the
-    first-touch faults of a fresh 4 KiB-paged 80 MB direction take ~50 ms on a 2-core
-    EPYC, twice the time of reading a 5 x 2e7 float32 stack once.
+    first-touch faults of a fresh 4 KiB-paged direction of tens of millions of entries
+    cost more than reading the whole stack once.
     """
     numpy_dtype = _NUMPY_DTYPES.get(jacobian.dtype)
     if jacobian.device.type == "cpu" and numpy_dtype is not None:
@@ -205,7 +205,8 @@ def _weighted_rows_into(weights: torch.Tensor, jacobian: torch.Tensor, out: torc
     thread accumulates CPU time). A batched product over column blocks is split over
     torch's intra-op threads, which also first-touch their own part of ``out``; every
     entry is the same K-term sum either way. Small stacks stay on one thread: on a machine
-    shared with other jobs a parallel region can wait 10 to 30 ms for a descheduled thread.
+    shared with other jobs a parallel region can wait a scheduler tick for a descheduled
+    thread (the caveat in benchmarks/results/mgda_exactness.md).
     """
     num_objectives, dim = jacobian.shape
     width = _COMBINE_BLOCK_COLUMNS
