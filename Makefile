@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 # The main job: MARBLE in miniature, quick mode (base vs weighted sum vs MARBLE).
 demo: $(STAMP)
-	$(PY) -m mogradient_diffusion.mini.benchmark --mode quick --out results/mini_quick
+	$(PY) -m benchmarks.mini.benchmark --mode quick --out results/mini_quick
 
 # Every harmonizer on the toy problems.
 toys: $(STAMP)
@@ -30,12 +30,12 @@ toys: $(STAMP)
 # ~590 core-seconds per epoch of budget, ~3.5 h on 2 cores at today's 40 epochs.
 # `make mini RESUME=1` keeps finished runs of an interrupted one and does the rest.
 mini: $(STAMP)
-	$(PY) -m mogradient_diffusion.mini.benchmark --mode full --out benchmarks/results/mini --work results/mini_work $(if $(RESUME),--resume)
+	$(PY) -m benchmarks.mini.benchmark --mode full --out benchmarks/results/mini --work results/mini_work $(if $(RESUME),--resume)
 
 # Flow-GRPO and SDPO under weighted sum and MARBLE (2 seeds), beside NFT's rows of `make mini`
 # (reused from its work folder, so run it after `make mini`).
 mini-objectives: $(STAMP)
-	$(PY) -m mogradient_diffusion.mini.benchmark --mode objectives --out benchmarks/results/mini_objectives --work results/mini_work --resume
+	$(PY) -m benchmarks.mini.benchmark --mode objectives --out benchmarks/results/mini_objectives --work results/mini_work --resume
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -270,7 +270,7 @@ def main() -> int:
     info["loadavg_1_5_15_start"] = list(os.getloadavg())
     runs: dict[str, list[dict[str, Any]]] = {row.key: [] for row in rows}
     sys.path.insert(0, str(ROOT))
-    from mogradient_diffusion.mini.benchmark import write_prompt_files
+    from mogradient_diffusion.mini.recipe import write_prompt_files
 
     with tempfile.TemporaryDirectory(prefix="bench_engine_cost_") as tmp:
         prompts = write_prompt_files(Path(tmp) / "prompts")

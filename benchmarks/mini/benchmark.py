@@ -2,14 +2,15 @@
 prompts with the training rewards and with metrics no method trained on.
 
 Each (method, seed) is a ``mogradient-diffusion train`` process on the shipped base model
-(``mini/base_model``) with the shared recipe (``mini/config.yaml``), then an ``eval``
+(``mogradient_diffusion/mini/base_model``) with the shared recipe
+(``mogradient_diffusion/mini/config.yaml``), then an ``eval``
 process on the held-out prompts; processes run ``--workers`` at a time, one thread each.
 The aggregate step writes the Table-1 style table, the conflict table (weighted sum vs
 MARBLE, measured with ``run.conflict_probe``), training curves, MARBLE's weights, the cost
 table and per-method sample grids.
 
-    python -m mogradient_diffusion.mini.benchmark --mode full --out benchmarks/results/mini
-    python -m mogradient_diffusion.mini.benchmark --mode quick --out results/mini_quick
+    python -m benchmarks.mini.benchmark --mode full --out benchmarks/results/mini
+    python -m benchmarks.mini.benchmark --mode quick --out results/mini_quick
 """
 
 from __future__ import annotations
@@ -23,35 +24,24 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from benchmarks.mini.report import rising_table, write_report
+from benchmarks.mini.runs import Method, RunResult
 from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH
+from mogradient_diffusion.mini.recipe import (
+    BASE_MODEL,
+    CONFIG,
+    HELD_OUT,
+    TRAIN_REWARDS,
+    write_prompt_files,
+)
 from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
 
-HERE = Path(__file__).parent
-BASE_MODEL = HERE / "base_model"
-CONFIG = HERE / "config.yaml"
-# The training rewards, one per axis of the paper's mix: quality (PickScore), prompt
-# following (CLIPScore), text (OCR), counting and binding (GenEval). The dense colour
-# rewards replaced mini_alignment, mini_count and mini_binding, which their own
-# specialists did not learn in this budget (learnability.md); those stay as held-out
-# metrics beside the strict ones.
-TRAIN_REWARDS = ("mini_preference", "mini_style", "mini_sign", "mini_amount", "mini_layout")
-HELD_OUT = (
-    "mini_preference_heldout",
-    "mini_alignment",
-    "mini_ocr",
-    "mini_count",
-    "mini_binding",
-    "mini_count_strict",
-    "mini_binding_strict",
-    "mini_ocr_strict",
-)
 EVAL_STEPS = 16
 NOISE = "mini_noise"  # the control's reward: uniform noise, signal-free advantages
 # The recipe's changes for the other objectives: their own section (reference defaults),
@@ -60,23 +50,6 @@ OBJECTIVE_OVERRIDES = {
     "flow_grpo": ("objective={name: flow_grpo}", "rollout.sampler=sde", "train.old_schedule=copy"),
     "sdpo": ("objective={name: sdpo}", "rollout.sampler=sde", "train.old_schedule=copy"),
 }
-
-
-@dataclass(frozen=True)
-class Method:
-    key: str
-    label: str
-    overrides: tuple[str, ...] = ()
-    table: str = "main"  # "main", "ablations" or "objectives" (the last two: ablation seeds)
-    # Log cos(update, g_k) on every step of seed 0 (the conflict table): the probe's K
-    # extra backward passes per step triple a run's cost, and one seed gives every step.
-    probe: bool = False
-    trains: bool = True
-
-    @property
-    def ablation(self) -> bool:
-        """Rows outside the main table run on the budget's ablation seeds."""
-        return self.table != "main"
 
 
 @dataclass(frozen=True)
@@ -208,44 +181,6 @@ def own_prompts_override(reward: str) -> str:
     return f"prompts.sources=[{sources}]"
 
 
-def write_prompt_files(directory: Path) -> Path:
-    """Training prompts per source (JSONL with metadata) and the held-out evaluation file."""
-    directory.mkdir(parents=True, exist_ok=True)
-    train, held_out = split_prompts(seed=0)
-    for source, prompts in train.items():
-        _write_jsonl(directory / f"{source}.jsonl", prompts)
-    _write_jsonl(directory / "heldout.jsonl", _interleave(list(held_out.values())))
-    return directory
-
-
-def _interleave(groups: list[list[MiniPrompt]]) -> list[MiniPrompt]:
-    """Round-robin over sources, so any prefix of the file mixes them."""
-    mixed, index = [], 0
-    while any(index < len(g) for g in groups):
-        mixed += [g[index] for g in groups if index < len(g)]
-        index += 1
-    return mixed
-
-
-def _write_jsonl(path: Path, prompts: list[MiniPrompt]) -> None:
-    """Write atomically: concurrent checks rewrite the same files while others read them."""
-    text = "".join(json.dumps({"prompt": p.text, **p.metadata}) + "\n" for p in prompts)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        tmp.write(text)
-    os.replace(tmp.name, path)
-
-
-@dataclass
-class RunResult:
-    method: Method
-    seed: int
-    run_dir: Path | None
-    eval_dir: Path
-    train_seconds: float = 0.0
-    peak_rss_mib: float = 0.0
-    log: list[str] = field(default_factory=list)
-
-
 def _child(command: list[str], log: Path) -> tuple[float, float]:
     """Run a CLI process with one thread; returns (seconds, peak RSS MiB); raises on failure."""
     env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
@@ -350,8 +285,6 @@ def run_benchmark(
 ) -> Path:
     """Every run of ``mode`` (or of its methods ``only``), then the tables and plots in
     ``out``; returns ``out``."""
-    from mogradient_diffusion.mini.report import write_report
-
     budget = MODES[mode]
     if not (model / "model_index.json").is_file():
         raise FileNotFoundError(
@@ -378,8 +311,6 @@ def run_benchmark(
     out.mkdir(parents=True, exist_ok=True)
     report = write_report(results, out, mode, time.perf_counter() - started, workers)
     if report["rising"]:
-        from mogradient_diffusion.mini.report import rising_table
-
         print("\n".join(rising_table(report["rising"], list(TRAIN_REWARDS))))
     return out
 
@@ -407,8 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = args.work or args.out / "work"
     if args.report_only:
-        from mogradient_diffusion.mini.report import write_report
-
         args.out.mkdir(parents=True, exist_ok=True)
         write_report(collect_results(args.mode, work), args.out, args.mode, math.nan, args.workers)
         print(f"report rebuilt from {work}: {args.out / 'table.md'}")

@@ -15,7 +15,7 @@ and with the trainer's own rollouts, advantages and micro-batches, for one rewar
 Nothing is trained: every step's gradient is computed twice and dropped, so each epoch
 samples from the base model.
 
-    python -m mogradient_diffusion.mini.gradient_noise --rewards mini_binding --epochs 6
+    python -m benchmarks.mini.gradient_noise --rewards mini_binding --epochs 6
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.mini.learnability import specialist_overrides
 from mogradient.gradients import accumulate_gradients
 from mogradient_diffusion.config import load_config
 from mogradient_diffusion.distributed import World
-from mogradient_diffusion.mini.benchmark import BASE_MODEL, CONFIG, write_prompt_files
-from mogradient_diffusion.mini.learnability import specialist_overrides
+from mogradient_diffusion.mini.recipe import BASE_MODEL, CONFIG, write_prompt_files
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.trainer import Trainer, skipped_step_record
 

@@ -18,9 +18,9 @@ the comparison is paired image by image. Learning shows as specialist > control;
 ``--out``/work are reused. ``acceptance`` mode repeats that check over ``--seeds``
 training seeds and gives each reward the verdict of the issue's acceptance test.
 
-    python -m mogradient_diffusion.mini.learnability base --out benchmarks/results/mini
-    python -m mogradient_diffusion.mini.learnability specialist --rewards mini_count
-    python -m mogradient_diffusion.mini.learnability acceptance --seeds 3 --workers 2
+    python -m benchmarks.mini.learnability base --out benchmarks/results/mini
+    python -m benchmarks.mini.learnability specialist --rewards mini_count
+    python -m benchmarks.mini.learnability acceptance --seeds 3 --workers 2
 """
 
 from __future__ import annotations
@@ -44,17 +44,9 @@ import numpy as np
 import torch
 import yaml
 
-from mogradient_diffusion.mini.benchmark import (
-    BASE_MODEL,
-    CONFIG,
-    EVAL_STEPS,
-    NOISE,
-    TRAIN_REWARDS,
-    own_prompts_override,
-    scored_by,
-    write_prompt_files,
-)
+from benchmarks.mini.benchmark import EVAL_STEPS, NOISE, own_prompts_override, scored_by
 from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH
+from mogradient_diffusion.mini.recipe import BASE_MODEL, CONFIG, TRAIN_REWARDS, write_prompt_files
 from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
 
 HELD_OUT_OF = {  # the held-out metrics each training reward stands in for
@@ -125,7 +117,7 @@ def measure_base(
     import mogradient_diffusion.mini  # noqa: F401  (registers the miniature's rewards)
     from mogradient_diffusion.policy import LoraSpec, Policy
     from mogradient_diffusion.rewards.registry import make_reward
-    from mogradient_diffusion.rollout import rollout
+    from mogradient_diffusion.sampling.rollout import rollout
 
     settings = recipe(config)["rollout"]
     prompts = base_prompts(per_source, seed)
@@ -361,8 +353,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Learnability of the miniature's rewards",
         "",
-        f"Machine: {report['machine']}. Written by "
-        "`python -m mogradient_diffusion.mini.learnability`.",
+        f"Machine: {report['machine']}. Written by `python -m benchmarks.mini.learnability`.",
         "",
     ]
     for key, part in report.get("base", {}).items():

@@ -15,17 +15,15 @@ import platform
 import shutil
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import yaml
 
+from benchmarks.mini.runs import RunResult
 from mogradient_diffusion.compare import metric_value, ranked_table
+from mogradient_diffusion.mini.recipe import HELD_OUT, TRAIN_REWARDS
 from mogradient_diffusion.runlog import read_metrics
-
-if TYPE_CHECKING:
-    from mogradient_diffusion.mini.benchmark import RunResult
-
 
 NFT_REFERENCE_ROWS = ("weighted_sum", "marble")  # repeated in the objectives table
 
@@ -33,8 +31,6 @@ NFT_REFERENCE_ROWS = ("weighted_sum", "marble")  # repeated in the objectives ta
 def write_report(
     results: list[RunResult], out: Path, mode: str, seconds: float, workers: int
 ) -> dict[str, Any]:
-    from mogradient_diffusion.mini.benchmark import HELD_OUT, TRAIN_REWARDS
-
     metrics = [*TRAIN_REWARDS, *HELD_OUT]
     scored = [r for r in results if not r.method.key.startswith("cost_")]
     rows = _method_rows(scored, metrics)
@@ -132,8 +128,6 @@ def _table(rows: list[dict[str, Any]], metrics: list[str]) -> list[str]:
     texts = [{m: _mean_std(row["mean"][m], row["std"][m]) for m in metrics} for row in rows]
     labels = [f"{row['label']} | {row['seeds']}" for row in rows]
     lines = ranked_table(labels, [row["mean"] for row in rows], metrics, texts, "method | seeds")
-    from mogradient_diffusion.mini.benchmark import HELD_OUT, TRAIN_REWARDS
-
     note = (
         "Mean ± std over seeds of each metric on the held-out prompts; composite = mean of "
         "per-column z-scores across these rows. **best**, <u>second</u>. Trained rewards: "
@@ -459,8 +453,6 @@ def _plots(results: list[RunResult], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from mogradient_diffusion.mini.benchmark import TRAIN_REWARDS
 
     curves: dict[str, dict[str, list[list[float]]]] = defaultdict(lambda: defaultdict(list))
     for result in results:

@@ -3,6 +3,7 @@
 ``world`` renders scenes and writes the three prompt sources (general, text,
 compositional) with GenEval-style metadata; ``vision`` finds the shapes in an image;
 ``rewards`` turns that (and Tesseract, and learned scorers) into the paper's reward mix.
+``recipe`` is the shared training setup; the experiments on it live in ``benchmarks/mini``.
 Importing the package registers the miniature's rewards.
 """
 

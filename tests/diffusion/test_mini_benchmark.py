@@ -6,37 +6,45 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from mogradient_diffusion.mini import benchmark
-from mogradient_diffusion.mini.benchmark import (
-    BASE_MODEL,
-    CONFIG,
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # benchmarks/ is not installed; `python -m pytest` adds it too
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.mini import benchmark  # noqa: E402
+from benchmarks.mini.benchmark import (  # noqa: E402
     COST_EPOCHS,
-    HELD_OUT,
     MODES,
-    TRAIN_REWARDS,
-    Method,
-    RunResult,
     cost_methods,
     jobs_of,
     main,
     methods,
     objective_methods,
     run_one,
-    write_prompt_files,
 )
-from mogradient_diffusion.mini.report import (
+from benchmarks.mini.report import (  # noqa: E402
     _conflict_rows,
     _control_rows,
     _rising_rows,
     _staleness_rows,
     rising_table,
 )
-from mogradient_diffusion.mini.world import all_prompts, split_prompts, vocabulary
-from mogradient_diffusion.prompts import load_prompt_file
+from benchmarks.mini.runs import Method, RunResult  # noqa: E402
+from mogradient_diffusion.mini.recipe import (  # noqa: E402
+    BASE_MODEL,
+    CONFIG,
+    HELD_OUT,
+    TRAIN_REWARDS,
+    write_prompt_files,
+)
+from mogradient_diffusion.mini.world import all_prompts, split_prompts, vocabulary  # noqa: E402
+from mogradient_diffusion.prompts import load_prompt_file  # noqa: E402
 
 
 def test_prompt_split_is_fixed_disjoint_and_covers_every_source():
@@ -48,6 +56,19 @@ def test_prompt_split_is_fixed_disjoint_and_covers_every_source():
         assert {p.text for p in train[source]} | {p.text for p in held_out[source]} == texts
         assert not {p.text for p in train[source]} & {p.text for p in held_out[source]}
     assert {"sign", "circle", "left", "of"} <= set(vocabulary())
+
+
+def test_report_and_package_import_nothing_of_the_runner():
+    """No import circle: report reads runs and the recipe, never the runner that calls it;
+    the installed package needs nothing from benchmarks/."""
+    code = (
+        "import sys\n"
+        "import mogradient_diffusion.mini, mogradient_diffusion.mini.recipe\n"
+        "assert not [m for m in sys.modules if m.startswith('benchmarks')]\n"
+        "import benchmarks.mini.report\n"
+        "assert 'benchmarks.mini.benchmark' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
 def test_prompt_files_keep_metadata_and_mix_sources_in_every_prefix(tmp_path):
@@ -257,8 +278,6 @@ def test_minimal_head_to_head_writes_tables_plots_and_grids(tmp_path):
 
 
 def test_resumed_head_to_head_redoes_no_finished_work(tmp_path, monkeypatch):
-    import mogradient_diffusion.mini.benchmark as benchmark
-
     calls = []
 
     def child(command, log):  # records which CLI command would have run

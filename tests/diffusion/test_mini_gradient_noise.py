@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from mogradient_diffusion.config import load_config
-from mogradient_diffusion.distributed import World
-from mogradient_diffusion.mini.gradient_noise import GradientPairs, collect, noise_statistics
-from mogradient_diffusion.trainer import Trainer
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # benchmarks/ is not installed; `python -m pytest` adds it too
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.mini.gradient_noise import GradientPairs, collect, noise_statistics  # noqa: E402
+from mogradient_diffusion.config import load_config  # noqa: E402
+from mogradient_diffusion.distributed import World  # noqa: E402
+from mogradient_diffusion.trainer import Trainer  # noqa: E402
 
 
 def _synthetic(mu_norm: float, image_std: float, draw_std: float) -> GradientPairs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,7 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mogradient_diffusion.mini import learnability
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # benchmarks/ is not installed; `python -m pytest` adds it too
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.mini import learnability  # noqa: E402
 
 
 def test_group_statistics_separate_within_from_between_group_spread():

@@ -44,8 +44,8 @@ def test_every_mini_prompt_fits_the_shipped_text_context() -> None:
     """No miniature prompt is truncated by the shipped CLIP or T5 tokenizers."""
     from transformers import CLIPTokenizer, T5TokenizerFast
 
-    from mogradient_diffusion.mini.benchmark import BASE_MODEL
     from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH, SPEC
+    from mogradient_diffusion.mini.recipe import BASE_MODEL
     from mogradient_diffusion.mini.world import all_prompts
 
     clip = CLIPTokenizer.from_pretrained(BASE_MODEL / "tokenizer")
