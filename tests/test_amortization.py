@@ -26,7 +26,7 @@ from mogradient import (
     objective_gradients,
 )
 from mogradient.errors import SolverError
-from mogradient.harmonizers.base import Weighting
+from mogradient.harmonizers.base import WeighResult
 
 A_MAX = 1.0
 
@@ -111,7 +111,7 @@ def test_coefficient_validation() -> None:
 
 
 class _Failing(Harmonizer):
-    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: torch.Tensor, objectives: torch.Tensor) -> WeighResult:
         raise SolverError("solver exploded")
 
 

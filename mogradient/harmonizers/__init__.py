@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mogradient.harmonizers.aligned_mtl import AlignedMTL
-from mogradient.harmonizers.base import Harmonization, Harmonizer, Weighting, combine
+from mogradient.harmonizers.base import Harmonization, Harmonizer, WeighResult, combine
 from mogradient.harmonizers.cagrad import CAGrad
 from mogradient.harmonizers.dropout import RewardDropout
 from mogradient.harmonizers.dualproj import DualProj
@@ -60,7 +60,7 @@ __all__ = [
     "RandomWeights",
     "RewardDropout",
     "UPGrad",
-    "Weighting",
+    "WeighResult",
     "combine",
     "make_harmonizer",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
+from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
 from mogradient.harmonizers.upgrad import preferences_for
 
 _SCALE_MODES = ("min", "median", "rmse")
@@ -34,7 +34,7 @@ class AlignedMTL(Harmonizer):
         self.pref_vector = validated_preferences(pref_vector, "pref_vector")
         self.scale_mode = scale_mode
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         preferences = preferences_for(self.pref_vector, objectives)
         # Gradients below ~1e-154 of the largest underflow here: below this method's own
         # rank tolerance (K eps of the largest eigenvalue) they count as zero anyway.
@@ -51,7 +51,7 @@ class AlignedMTL(Harmonizer):
             sigma = eigenvalues.mean()
         balance = sigma.sqrt() * (eigenvectors / eigenvalues.sqrt()) @ eigenvectors.T
         weights = balance @ preferences
-        return Weighting(
+        return WeighResult(
             weights,
             extras={
                 "rank": int(kept.sum()),

@@ -32,8 +32,12 @@ _NUMPY_DTYPES = {
 
 
 @dataclass(frozen=True)
-class Weighting:
-    """What a method computed on the valid objectives' Gram matrix."""
+class WeighResult:
+    """What :meth:`Harmonizer.weigh` computed on the valid objectives' Gram matrix.
+
+    Named for the method that returns it: in TorchJD a ``Weighting`` is the method itself.
+    A call's full result, weights on every objective, is a :class:`Harmonization`.
+    """
 
     weights: torch.Tensor
     kkt_residual: float | None = None
@@ -79,7 +83,7 @@ class Harmonizer(ABC):
         dropped = tuple(int(index) for index in torch.nonzero(~valid).flatten())
         weights = torch.zeros(num_objectives, dtype=torch.float64)
         if not valid.any():
-            weighting = Weighting(weights, fallback="no_usable_objective")
+            weighting = WeighResult(weights, fallback="no_usable_objective")
         else:
             objectives = torch.nonzero(valid).flatten()
             sub_gram = CosineGram.from_scaled(
@@ -97,7 +101,9 @@ class Harmonizer(ABC):
                 weighting = self.refine(jacobian, objectives, sub_gram, weighting) or weighting
             weights[objectives] = weighting.weights.to(torch.float64)
             if weighting.fallback is None and len(objectives) == 1 and num_objectives > 1:
-                weighting = Weighting(weighting.weights, weighting.kkt_residual, "single_objective")
+                weighting = WeighResult(
+                    weighting.weights, weighting.kkt_residual, "single_objective"
+                )
         extra_dropped = tuple(weighting.extras.get("dropped", ()))
         direction = weighting.direction
         if direction is None and jacobian is not None:
@@ -113,7 +119,7 @@ class Harmonizer(ABC):
         )
 
     @abstractmethod
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         """Weights for the usable objectives.
 
         ``gram`` is their Gram matrix as cosines and norms (K' >= 1 gradients, every
@@ -128,8 +134,8 @@ class Harmonizer(ABC):
         jacobian: torch.Tensor,
         objectives: torch.Tensor,
         gram: CosineGram,
-        weighting: Weighting,
-    ) -> Weighting | None:
+        weighting: WeighResult,
+    ) -> WeighResult | None:
         """A more exact weighting computed on the stack's usable rows, or None to keep it.
 
         A float64 Gram resolves a component of one gradient off a near-dependent other

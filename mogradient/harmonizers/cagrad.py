@@ -11,7 +11,7 @@ import torch
 from mogradient._gram import CosineGram
 from mogradient._qp_cone import near_dependent
 from mogradient._span import coordinates_from_cosines, coordinates_from_stack
-from mogradient.harmonizers.base import Harmonizer, Weighting
+from mogradient.harmonizers.base import Harmonizer, WeighResult
 
 _MAX_ITERATIONS = 200
 _EPS = float(np.finfo(np.float64).eps)
@@ -60,7 +60,7 @@ class CAGrad(Harmonizer):
         self.c = float(c)
         self.rescale = bool(rescale)
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         sizes = gram.norms.numpy()
         coordinates = coordinates_from_cosines(gram.cosines.numpy())
         return self._weighting(coordinates, sizes / sizes.max()).weighting
@@ -70,8 +70,8 @@ class CAGrad(Harmonizer):
         jacobian: torch.Tensor,
         objectives: torch.Tensor,
         gram: CosineGram,
-        weighting: Weighting,
-    ) -> Weighting | None:
+        weighting: WeighResult,
+    ) -> WeighResult | None:
         """Re-solve on the stack's QR coordinates when the Gram says near-dependent."""
         if not near_dependent(gram.cosines.numpy()):
             return None
@@ -80,7 +80,7 @@ class CAGrad(Harmonizer):
         if solved.direction is None:
             return solved.weighting
         direction = float(sizes.max()) * (basis @ torch.from_numpy(solved.direction))
-        return Weighting(
+        return WeighResult(
             solved.weighting.weights,
             solved.weighting.kkt_residual,
             solved.weighting.fallback,
@@ -99,9 +99,9 @@ class CAGrad(Harmonizer):
         if float(np.linalg.norm(mean)) <= 64 * _EPS * float(norms.mean()):
             # g0 = 0 up to the round-off of averaging: d = g0 for every c.
             weights = torch.from_numpy(mean_weights / divisor)
-            return _Solved(Weighting(weights, 0.0, "zero_mean_gradient"), None)
+            return _Solved(WeighResult(weights, 0.0, "zero_mean_gradient"), None)
         if radius == 0.0:
-            return _Solved(Weighting(torch.from_numpy(mean_weights / divisor), 0.0), mean)
+            return _Solved(WeighResult(torch.from_numpy(mean_weights / divisor), 0.0), mean)
         dual = _solve_dual(points, norms, mean, radius)
         if dual.stationary:
             # 0 is in the hull and F's minimum is 0 at g_w = 0. For c >= 1 the ball holds
@@ -109,9 +109,9 @@ class CAGrad(Harmonizer):
             # maximizers are not unique and d = g0 is kept, uncertified.
             if self.c >= 1.0:
                 zeros = torch.zeros(count, dtype=torch.float64)
-                return _Solved(Weighting(zeros, 0.0, "pareto_stationary"), None)
+                return _Solved(WeighResult(zeros, 0.0, "pareto_stationary"), None)
             weights = torch.from_numpy(mean_weights / divisor)
-            return _Solved(Weighting(weights, None, "pareto_stationary"), mean / divisor)
+            return _Solved(WeighResult(weights, None, "pareto_stationary"), mean / divisor)
         combined = points @ dual.weights
         size = float(np.linalg.norm(combined))
         weights = (mean_weights + (radius / size) * dual.weights) / divisor
@@ -122,14 +122,14 @@ class CAGrad(Harmonizer):
             "iterations": dual.iterations,
         }
         return _Solved(
-            Weighting(torch.from_numpy(weights), kkt_residual=dual.residual, extras=extras),
+            WeighResult(torch.from_numpy(weights), kkt_residual=dual.residual, extras=extras),
             direction,
         )
 
 
 @dataclass(frozen=True)
 class _Solved:
-    weighting: Weighting
+    weighting: WeighResult
     direction: np.ndarray | None  # d in the coordinates (units of max ||g||), when formed
 
 

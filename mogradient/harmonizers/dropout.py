@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
+from mogradient.harmonizers.base import Harmonizer, WeighResult, seeded_generator
 
 
 class RewardDropout(Harmonizer):
@@ -56,7 +56,7 @@ class RewardDropout(Harmonizer):
             return self.probability
         return self.probability * min(1.0, self.step / self.warmup_steps)
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         probability = self.current_probability()
         self.step += 1
         droppable = torch.tensor(
@@ -72,4 +72,4 @@ class RewardDropout(Harmonizer):
         weights[kept] = inner.weights
         dropped = [int(index) for index in objectives[~keep]]
         extras = {**inner.extras, "dropped": dropped, "dropout_probability": probability}
-        return Weighting(weights, inner.kkt_residual, inner.fallback, extras)
+        return WeighResult(weights, inner.kkt_residual, inner.fallback, extras)

@@ -6,7 +6,7 @@ import torch
 
 from mogradient._gram import CosineGram
 from mogradient._qp_cone import solve_cone_qp_factored
-from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
+from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
 from mogradient.harmonizers.upgrad import (
     cone_problem,
     preferences_for,
@@ -37,18 +37,18 @@ class DualProj(Harmonizer):
         self.backend = backend
         self.refine_on_stack = bool(refine)
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         lower = preferences_for(self.pref_vector, objectives).numpy()
         cosines, norms = cone_problem(gram, self.reg_eps)
         solution = solve_cone_qp_factored(cosines, norms, lower, backend=self.backend)
-        return Weighting(torch.from_numpy(solution.weights), kkt_residual=solution.kkt_residual)
+        return WeighResult(torch.from_numpy(solution.weights), kkt_residual=solution.kkt_residual)
 
     def refine(
         self,
         jacobian: torch.Tensor,
         objectives: torch.Tensor,
         gram: CosineGram,
-        weighting: Weighting,
-    ) -> Weighting | None:
+        weighting: WeighResult,
+    ) -> WeighResult | None:
         lower = preferences_for(self.pref_vector, objectives).numpy()
         return refined_on_stack(self, jacobian, objectives, gram, [lower])

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
+from mogradient.harmonizers.base import Harmonizer, WeighResult, seeded_generator
 
 
 class GradVac(Harmonizer):
@@ -57,7 +57,7 @@ class GradVac(Harmonizer):
         super().load_state_dict(state)
         self._targets = dict(state.get("targets", {}))
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         count = len(objectives)
         names = [int(index) for index in objectives]
         # Gradients below ~1e-154 of the largest underflow here: eps (relative to the
@@ -89,4 +89,4 @@ class GradVac(Harmonizer):
                     products = products + step * gram[other]
                     corrections += 1
                 self._targets[key] = (1.0 - self.beta) * target + self.beta * cosine
-        return Weighting(coefficients.sum(dim=0), extras={"corrections": corrections})
+        return WeighResult(coefficients.sum(dim=0), extras={"corrections": corrections})

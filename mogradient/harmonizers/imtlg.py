@@ -7,7 +7,7 @@ import math
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient.harmonizers.base import Harmonizer, Weighting
+from mogradient.harmonizers.base import Harmonizer, WeighResult
 
 
 class IMTLG(Harmonizer):
@@ -29,7 +29,7 @@ class IMTLG(Harmonizer):
     projection positive.
     """
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         count = len(gram)
         norms, cosines = gram.norms, gram.cosines
         eigenvalues, eigenvectors = torch.linalg.eigh(cosines)
@@ -52,8 +52,8 @@ class IMTLG(Harmonizer):
         spread = (projections - projections.mean()).abs().max()
         residual = float(spread / projections.abs().max()) if spread > 0 else 0.0
         if total.abs() <= 1e-10 * magnitude:
-            return Weighting(
+            return WeighResult(
                 torch.zeros_like(coefficients), kkt_residual=residual, fallback="degenerate"
             )
         fallback = "negative_sum" if total < 0 else None
-        return Weighting(coefficients / total.abs(), kkt_residual=residual, fallback=fallback)
+        return WeighResult(coefficients / total.abs(), kkt_residual=residual, fallback=fallback)

@@ -6,7 +6,7 @@ import torch
 
 from mogradient._gram import CosineGram
 from mogradient._qp import solve_simplex_qp_factored
-from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
+from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
 
 
 class MGDA(Harmonizer):
@@ -34,7 +34,7 @@ class MGDA(Harmonizer):
         self.alpha_floor = float(alpha_floor)
         self.backend = backend
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         norms = gram.norms
         qp_norms = torch.ones_like(norms) if self.normalize else norms
         solution = solve_simplex_qp_factored(
@@ -42,7 +42,7 @@ class MGDA(Harmonizer):
         )
         alpha = self._adjusted(torch.from_numpy(solution.weights), objectives)
         weights = norms.mean() * alpha / norms if self.normalize else alpha
-        return Weighting(
+        return WeighResult(
             weights, kkt_residual=solution.kkt_residual, extras={"alpha": alpha.tolist()}
         )
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient.harmonizers.base import Harmonizer, Weighting
+from mogradient.harmonizers.base import Harmonizer, WeighResult
 
 # Newton's answer is accepted only if it solves G alpha = 1/alpha to this relative accuracy;
 # round-off on a well-posed problem is many orders of magnitude below it.
@@ -54,11 +54,11 @@ class NashMTL(Harmonizer):
         self.tolerance = float(tolerance)
         self.max_iterations = int(max_iterations)
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         beta, iterations = self._newton(gram.cosines)
         if beta is None:
             zeros = torch.zeros(len(gram), dtype=torch.float64)
-            return Weighting(
+            return WeighResult(
                 zeros, fallback="pareto_stationary", extras={"newton_iterations": iterations}
             )
         residual = _relative_residual(gram.cosines, beta)
@@ -67,7 +67,7 @@ class NashMTL(Harmonizer):
         if self.max_norm > 0 and direction_norm > self.max_norm:
             beta = beta * (self.max_norm / direction_norm)
         alpha = np.ldexp((beta / gram.norms).numpy(), -gram.exponent)
-        return Weighting(
+        return WeighResult(
             torch.from_numpy(alpha),
             kkt_residual=residual,
             extras={"newton_iterations": iterations, "bargaining_norm": direction_norm},

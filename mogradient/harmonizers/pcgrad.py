@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
+from mogradient.harmonizers.base import Harmonizer, WeighResult, seeded_generator
 
 
 class PCGrad(Harmonizer):
@@ -26,7 +26,7 @@ class PCGrad(Harmonizer):
         self.seed = seed
         self._generator = seeded_generator(seed)
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         count = len(objectives)
         coefficients = torch.diag(gram.norms)
         for task in range(count):
@@ -39,4 +39,4 @@ class PCGrad(Harmonizer):
         weights = coefficients.sum(dim=0) / gram.norms
         if self.reduction == "mean":
             weights = weights / count
-        return Weighting(weights)
+        return WeighResult(weights)

@@ -10,7 +10,7 @@ import torch
 from mogradient._gram import CosineGram
 from mogradient._qp_cone import near_dependent, project_in_span, solve_cone_qp_factored
 from mogradient._span import coordinates_from_stack
-from mogradient.harmonizers.base import Harmonizer, Weighting, validated_preferences
+from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
 
 
 class UPGrad(Harmonizer):
@@ -42,7 +42,7 @@ class UPGrad(Harmonizer):
         self.backend = backend
         self.refine_on_stack = bool(refine)
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         preferences = preferences_for(self.pref_vector, objectives).numpy()
         cosines, norms = cone_problem(gram, self.reg_eps)
         weights = torch.zeros(len(objectives), dtype=torch.float64)
@@ -55,15 +55,15 @@ class UPGrad(Harmonizer):
             solution = solve_cone_qp_factored(cosines, norms, lower, backend=self.backend)
             weights += torch.from_numpy(solution.weights)
             residual = max(residual, solution.kkt_residual)
-        return Weighting(weights, kkt_residual=residual)
+        return WeighResult(weights, kkt_residual=residual)
 
     def refine(
         self,
         jacobian: torch.Tensor,
         objectives: torch.Tensor,
         gram: CosineGram,
-        weighting: Weighting,
-    ) -> Weighting | None:
+        weighting: WeighResult,
+    ) -> WeighResult | None:
         lowers = [
             preference * np.eye(len(objectives))[index]
             for index, preference in enumerate(
@@ -88,7 +88,7 @@ def refined_on_stack(
     objectives: torch.Tensor,
     gram: CosineGram,
     lowers: list[np.ndarray],
-) -> Weighting | None:
+) -> WeighResult | None:
     """The sum over ``lowers`` of dual-cone projections solved on the stack, for the exact
     method (refinement on, no TorchJD ridge, the built-in solver) when the Gram says the
     gradients are near-dependent."""
@@ -105,7 +105,7 @@ def refined_on_stack(
         projection += part
         residual = max(residual, part_residual)
     direction = basis @ torch.from_numpy(projection).to(basis.device)
-    return Weighting(
+    return WeighResult(
         torch.from_numpy(weights),
         kkt_residual=residual,
         extras={"refined_on_stack": True},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient.harmonizers.base import Harmonizer, Weighting, seeded_generator
+from mogradient.harmonizers.base import Harmonizer, WeighResult, seeded_generator
 
 
 class FixedWeights(Harmonizer):
@@ -21,9 +21,9 @@ class FixedWeights(Harmonizer):
     def __init__(self, weights: list[float] | torch.Tensor | None = None) -> None:
         self.weights = None if weights is None else _checked_weights(weights)
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         if self.weights is None:
-            return Weighting(torch.ones(len(objectives), dtype=torch.float64))
+            return WeighResult(torch.ones(len(objectives), dtype=torch.float64))
         if int(objectives.max()) >= len(self.weights):
             raise ValueError(
                 f"FixedWeights has {len(self.weights)} weights but got objective index "
@@ -32,7 +32,7 @@ class FixedWeights(Harmonizer):
         present = self.weights[objectives]
         if len(objectives) < len(self.weights) and present.abs().sum() > 0:
             present = present * (self.weights.abs().sum() / present.abs().sum())
-        return Weighting(present.clone())
+        return WeighResult(present.clone())
 
 
 def _checked_weights(weights: list[float] | torch.Tensor) -> torch.Tensor:
@@ -45,9 +45,9 @@ def _checked_weights(weights: list[float] | torch.Tensor) -> torch.Tensor:
 class Mean(Harmonizer):
     """Average of the usable gradients (equal weights 1/K)."""
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         count = len(objectives)
-        return Weighting(torch.full((count,), 1.0 / count, dtype=torch.float64))
+        return WeighResult(torch.full((count,), 1.0 / count, dtype=torch.float64))
 
 
 class RandomWeights(Harmonizer):
@@ -57,6 +57,6 @@ class RandomWeights(Harmonizer):
         self.seed = seed
         self._generator = seeded_generator(seed)
 
-    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> Weighting:
+    def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         logits = torch.randn(len(objectives), generator=self._generator, dtype=torch.float64)
-        return Weighting(torch.softmax(logits, dim=0))
+        return WeighResult(torch.softmax(logits, dim=0))
