@@ -1,11 +1,17 @@
-"""mogradient: exact multi-objective gradient harmonization for PyTorch."""
+"""mogradient: exact multi-objective gradient harmonization for PyTorch.
 
-from mogradient._gram import gram_matrix
+The public API is what this module exports, plus the public modules' own names
+(``mogradient.row_gradients``, ``mogradient.distributed``, ...). Modules whose names
+start with an underscore (the Gram, the QP solvers) are internal and may change.
+"""
+
+from mogradient._gram import CosineGram, gram_matrix
 from mogradient._qp import SimplexQPSolution, solve_simplex_qp
 from mogradient._qp_cone import ConeQPSolution, solve_cone_qp
 from mogradient.amortize import AmortizedStep, Amortizer
 from mogradient.diagnostics import ConflictAccumulator, conflict_diagnostics
 from mogradient.ema import WeightEMA
+from mogradient.errors import SolverError, UnusedParameterError
 from mogradient.gradients import (
     combinable_gradients,
     flat_gradient,
@@ -30,6 +36,7 @@ from mogradient.harmonizers import (
     RandomWeights,
     RewardDropout,
     UPGrad,
+    WeighResult,
     make_harmonizer,
 )
 from mogradient.objectives import CombinableLoss, masked_mean_coefficients
@@ -47,6 +54,7 @@ __all__ = [
     "CombinableLoss",
     "ConeQPSolution",
     "ConflictAccumulator",
+    "CosineGram",
     "DualProj",
     "FixedWeights",
     "GradVac",
@@ -58,7 +66,10 @@ __all__ = [
     "RandomWeights",
     "RewardDropout",
     "SimplexQPSolution",
+    "SolverError",
     "UPGrad",
+    "UnusedParameterError",
+    "WeighResult",
     "WeightEMA",
     "combinable_gradients",
     "conflict_diagnostics",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mogradient._gram import CosineGram
 from mogradient.harmonizers.aligned_mtl import AlignedMTL
 from mogradient.harmonizers.base import Harmonization, Harmonizer, WeighResult, combine
 from mogradient.harmonizers.cagrad import CAGrad
@@ -49,6 +50,7 @@ __all__ = [
     "MGDA",
     "AlignedMTL",
     "CAGrad",
+    "CosineGram",
     "DualProj",
     "FixedWeights",
     "GradVac",
