@@ -38,6 +38,11 @@ from typing import Any
 
 from common import machine_info, machine_markdown, markdown_table, write_results
 
+from mogradient_diffusion.callbacks import TrainerCallback
+from mogradient_diffusion.config import load_config
+from mogradient_diffusion.distributed import World
+from mogradient_diffusion.trainer import Trainer
+
 NAME = "trainer_tiny_cpu"
 # One thread: on this shared 2-core VM other jobs keep the load average above 1, and a
 # 2-thread OpenMP team then spends most of its time spinning at barriers (a 256 x 256
@@ -82,58 +87,67 @@ def cpu_jiffies() -> tuple[int, int]:
     return fields[7], sum(fields)
 
 
-def child_main(stats_path: str, cli_args: list[str]) -> int:
-    """Run the trainer CLI in this process, timing epochs and steps; write stats JSON."""
-    from mogradient_diffusion import cli
-    from mogradient_diffusion.trainer import Trainer
+class Clock:
+    """Wall and process CPU time, and the share of CPU the hypervisor stole, over a span."""
 
-    stats: dict[str, Any] = {"epochs": [], "steps": []}
-    original_run = Trainer.run
-    original_epoch = Trainer.train_epoch
-    original_step = Trainer.optimizer_step_on
+    def start(self) -> None:
+        self.steal, self.total = cpu_jiffies()
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
 
-    def run(self):
-        # After the model, rewards and optimizer are built: reset the high-water mark so
-        # the training phase's own peak can be told apart from loading.
-        stats["rss_before_training_kib"] = _status_kib("VmRSS")
-        stats["hwm_before_training_kib"] = _status_kib("VmHWM")
-        stats["trainable_parameters"] = sum(p.numel() for p in self.parameters)
+    def stop(self) -> dict[str, float]:
+        wall, cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+        steal, total = cpu_jiffies()
+        stolen = (steal - self.steal) / max(1, total - self.total)
+        return {"wall_s": wall, "cpu_s": cpu, "steal": stolen}
+
+
+class TrainingStats(TrainerCallback):
+    """Times every epoch and optimizer step, and the memory before and during training."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {"epochs": [], "steps": []}
+        self.epoch_clock, self.step_clock = Clock(), Clock()
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        # Model, rewards and optimizer are built: reset the high-water mark so the
+        # training phase's own peak can be told apart from loading.
+        self.stats["rss_before_training_kib"] = _status_kib("VmRSS")
+        self.stats["hwm_before_training_kib"] = _status_kib("VmHWM")
+        self.stats["trainable_parameters"] = sum(p.numel() for p in trainer.parameters)
         try:
             Path("/proc/self/clear_refs").write_text("5")
-            stats["hwm_reset"] = True
+            self.stats["hwm_reset"] = True
         except OSError:
-            stats["hwm_reset"] = False
-        return original_run(self)
+            self.stats["hwm_reset"] = False
 
-    def timed(function, *args, **kwargs):
-        steal, total = cpu_jiffies()
-        wall, cpu = time.perf_counter(), time.process_time()
-        result = function(*args, **kwargs)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        steal_after, total_after = cpu_jiffies()
-        stolen = (steal_after - steal) / max(1, total_after - total)
-        return result, {"wall_s": wall, "cpu_s": cpu, "steal": stolen}
+    def on_epoch_start(self, trainer: Trainer) -> None:
+        self.epoch_clock.start()
 
-    def train_epoch(self):
-        record, timing = timed(original_epoch, self)
-        stats["epochs"].append({"epoch": self.epoch, **timing})
-        return record
+    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        self.stats["epochs"].append({"epoch": trainer.epoch, **self.epoch_clock.stop()})
 
-    def optimizer_step_on(self, *args, **kwargs):
-        # Forward whatever the trainer passes (step, generator, probe, ...): the wrapper
-        # only times the call, so it must not pin the method's signature.
-        record, timing = timed(original_step, self, *args, **kwargs)
-        stats["steps"].append({"epoch": self.epoch, "solved": int(record["solved"]), **timing})
-        return record
+    def on_step_start(self, trainer: Trainer, step: list) -> None:
+        self.step_clock.start()
 
-    Trainer.run = run
-    Trainer.train_epoch = train_epoch
-    Trainer.optimizer_step_on = optimizer_step_on
-    code = cli.main(["train", "--preset", "tiny", *cli_args])
+    def on_step_end(self, trainer: Trainer, step: list, record: dict[str, Any]) -> None:
+        timing = self.step_clock.stop()
+        self.stats["steps"].append(
+            {"epoch": trainer.epoch, "solved": int(record["solved"]), **timing}
+        )
+
+
+def child_main(stats_path: str, cli_args: list[str]) -> int:
+    """Train the tiny preset in this process with ``cli_args``, timing epochs and steps
+    through a callback; write the stats JSON."""
+    callback = TrainingStats()
+    config = load_config(preset="tiny", overrides=cli_args)
+    world = World.from_environment(config.model.device)
+    Trainer(config, world, callbacks=[callback]).run()
+    stats = callback.stats
     stats["training_hwm_kib"] = _status_kib("VmHWM")
     stats["process_hwm_kib"] = max(stats["hwm_before_training_kib"], stats["training_hwm_kib"])
     Path(stats_path).write_text(json.dumps(stats))
-    return code
+    return 0
 
 
 # -------------------------------------------------------------------------- parent

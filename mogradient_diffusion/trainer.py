@@ -21,7 +21,7 @@ import dataclasses
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from mogradient import MGDA, conflict_diagnostics, flat_gradient
 from mogradient.distributed import apply_weights
 from mogradient.gradients import accumulate_gradients
 from mogradient.objectives import CombinableLoss
+from mogradient_diffusion.callbacks import TrainerCallback
 from mogradient_diffusion.checkpoint import (
     Restored,
     keep_last,
@@ -104,11 +105,16 @@ class Trainer:
     """
 
     def __init__(
-        self, config: TrainingConfig, world: World, allow_config_change: bool = False
+        self,
+        config: TrainingConfig,
+        world: World,
+        allow_config_change: bool = False,
+        callbacks: Sequence[TrainerCallback] = (),
     ) -> None:
         self.config = config
         self.world = world
         self.allow_config_change = allow_config_change
+        self.callbacks = tuple(callbacks)
         self.run_dir = Path(config.run.directory)
         self.rewards = build_rewards(config)
         self.reward_names = [r.name for r in config.rewards]
@@ -181,6 +187,8 @@ class Trainer:
             desc="epochs",
             disable=not self.world.is_main or self.config.run.quiet,
         )
+        for callback in self.callbacks:
+            callback.on_train_start(self)
         try:
             while self.epoch < self.config.train.epochs:
                 record = self.train_epoch()
@@ -202,6 +210,8 @@ class Trainer:
 
     def train_epoch(self) -> dict[str, Any]:
         """One epoch: sample, score, estimate advantages, train, update the old adapter."""
+        for callback in self.callbacks:
+            callback.on_epoch_start(self)
         times: dict[str, float] = {}
         started = time.perf_counter()
         drawn = self._epoch_prompts()
@@ -247,7 +257,10 @@ class Trainer:
             self.config.train.old_schedule, self.optimizer_step, self.config.train.old_cap
         )
         self.policy.update_old(decay)
-        return self._epoch_record(rewards, stats, step_records, times, reward_seconds, decay)
+        record = self._epoch_record(rewards, stats, step_records, times, reward_seconds, decay)
+        for callback in self.callbacks:
+            callback.on_epoch_end(self, record)
+        return record
 
     def _score(
         self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]
@@ -323,7 +336,12 @@ class Trainer:
                     TrainPiece(piece.data, data.reward_advantages[r])
                     for piece, r in zip(step, rows, strict=True)
                 ]
-            records.append(self.optimizer_step_on(step, generator, probe))
+            for callback in self.callbacks:
+                callback.on_step_start(self, step)
+            record = self.optimizer_step_on(step, generator, probe)
+            for callback in self.callbacks:
+                callback.on_step_end(self, step, record)
+            records.append(record)
         return records
 
     def optimizer_step_on(
@@ -341,6 +359,10 @@ class Trainer:
         """
         count = step[0].advantages.shape[-1]
         step, signal = self._mask_silent_in_step(step)
+        for callback in self.callbacks:
+            replaced = callback.replace_step(self, step, generator)
+            if replaced is not None:
+                return replaced
         if not signal.any():
             # No objective has an applicable sample with signal: stepping would only let
             # Adam's momentum replay earlier gradients (and the KL pull alone).
