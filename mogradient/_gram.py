@@ -28,6 +28,8 @@ import torch
 DEFAULT_BLOCK_COLUMNS = 1 << 14
 # Columns converted at a time when upcasting or widening half types (bounds the memory).
 _UPCAST_SPAN_BLOCKS = 64
+# CPU stack entries from which the blocks' products run in one bmm over torch's threads.
+_PARALLEL_ENTRIES = 1 << 20
 
 
 def gram_matrix(
@@ -178,13 +180,14 @@ def _blocked_products(piece: torch.Tensor, block_columns: int) -> torch.Tensor:
     """Sum of ``B @ B.T`` over column blocks: one bmm over full blocks, row products for the rest.
 
     The bmm spreads its blocks over torch's threads (the BLAS inside each runs on one).
-    A lone small matmul, by contrast, is threaded by MKL, and on a machine shared with
-    other jobs its parallel region waits for a descheduled thread, many times the
-    product's own time (the caveat in benchmarks/results/mgda_exactness.md): leftover
-    columns and small stacks go through single-threaded matrix-vector products instead.
+    On a machine shared with other jobs any parallel region (the bmm's, or MKL's inside a
+    lone small matmul) waits for a descheduled thread, many times the product's own time
+    on a small stack (benchmarks/results/native_gram.md): leftover columns and CPU stacks
+    below ``_PARALLEL_ENTRIES`` go through single-threaded matrix-vector products instead.
     """
     num_objectives, width = piece.shape
-    full = width // block_columns if width >= 2 * block_columns else 0
+    batched = piece.device.type != "cpu" or piece.numel() >= _PARALLEL_ENTRIES
+    full = width // block_columns if batched and width >= 2 * block_columns else 0
     total = torch.zeros(num_objectives, num_objectives, dtype=torch.float64, device=piece.device)
     if full:
         blocks = piece[:, : full * block_columns].reshape(num_objectives, full, block_columns)

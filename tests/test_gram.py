@@ -40,11 +40,13 @@ def test_chunked_gram_matches_float64_reference() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_blocks_threads_and_strided_rows_give_the_float64_gram(threads: int) -> None:
-    """Full blocks (one bmm over the threads), a leftover block, rows of a wider tensor."""
-    generator = torch.Generator().manual_seed(threads)
+@pytest.mark.parametrize("blocks", [3, 13])
+def test_blocks_threads_and_strided_rows_give_the_float64_gram(threads: int, blocks: int) -> None:
+    """Row products (a small stack) or one bmm over the threads (13 blocks: over 2^20
+    entries) and a leftover block, on rows that are views of a wider tensor."""
+    generator = torch.Generator().manual_seed(threads * 100 + blocks)
     scales = 10.0 ** torch.empty(5, 1).uniform_(-3, 3, generator=generator)
-    wide = torch.randn(5, 3 * DEFAULT_BLOCK_COLUMNS + 1001, generator=generator) * scales
+    wide = torch.randn(5, blocks * DEFAULT_BLOCK_COLUMNS + 1001, generator=generator) * scales
     stack = wide[:, 3:-5]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
