@@ -74,10 +74,11 @@ from mogradient_diffusion.objectives.nft import NFTRollout
 from mogradient_diffusion.policy import PromptEmbeddings
 from mogradient_diffusion.rewards import Reward, register_reward
 from mogradient_diffusion.rewards.base import Metadata
-from mogradient_diffusion.rollout import rollout, sampler_sigmas
+from mogradient_diffusion.sampling.rollout import rollout
+from mogradient_diffusion.sampling.schedule import sampler_sigmas
 from mogradient_diffusion.step_gradients import StepGradients
 from mogradient_diffusion.strategies import Strategy, build_strategy
-from mogradient_diffusion.trainer import Trainer
+from mogradient_diffusion.trainer import Trainer, TrainerCallback
 
 # The compared rows: each a strategy of bench_trainer's and the engine of its per-objective
 # gradients (auto: the per-row engine; batched: K backward passes, as before it).
@@ -537,34 +538,31 @@ def set_checkpointing(trainer: Trainer, enabled: bool) -> None:
 
 
 @dataclass
-class StepTimer:
-    """Wraps ``Trainer.optimizer_step_on`` on one instance: synchronized seconds per step."""
+class StepTimer(TrainerCallback):
+    """Synchronized seconds of every optimizer step of ``trainer`` (a callback it calls)."""
 
     trainer: Trainer
     steps: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.original = self.trainer.optimizer_step_on
-        self.trainer.optimizer_step_on = self
+        self.trainer.callbacks = (*self.trainer.callbacks, self)
+        self._started = 0.0
 
-    def __call__(
-        self,
-        step: list[TrainPiece],
-        generator: torch.Generator,
-        probe: list[TrainPiece] | None = None,
-    ) -> dict[str, Any]:
-        device = self.trainer.world.device
-        record, seconds = timed(device, lambda: self.original(step, generator, probe))
+    def on_step_start(self, trainer: Trainer, step: list[TrainPiece]) -> None:
+        synchronize(trainer.world.device)
+        self._started = time.perf_counter()
+
+    def on_step_end(self, trainer: Trainer, step: list[TrainPiece], record: dict[str, Any]) -> None:
+        synchronize(trainer.world.device)
         self.steps.append(
             {
-                "seconds": seconds,
+                "seconds": time.perf_counter() - self._started,
                 "solved": int(record["solved"]),
                 "fallback": record["fallback"],
                 "engine": record.get("engine"),  # solve steps: rows or batched
                 "sample_timesteps": sum(len(p) * p.data.timesteps for p in step),
             }
         )
-        return record
 
 
 def run_epoch(

@@ -12,7 +12,8 @@ resumed from a checkpoint replays the remaining epochs exactly. Under ``torchrun
 gradients are averaged with explicit collectives (peft's adapter switching flips
 ``requires_grad``, which DistributedDataParallel does not allow): the K x D stack on
 full-solve steps, ``.grad`` otherwise; weights are solved in float64 on identical data
-and broadcast from rank 0.
+and broadcast from rank 0. Benchmarks, probes and experiments plug in through
+``TrainerCallback`` hooks, never by patching the trainer's methods.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from mogradient import MGDA, conflict_diagnostics, flat_gradient
 from mogradient.distributed import apply_weights
 from mogradient.gradients import accumulate_gradients
 from mogradient.objectives import CombinableLoss
-from mogradient_diffusion.callbacks import TrainerCallback
 from mogradient_diffusion.checkpoint import (
     Restored,
     keep_last,
@@ -87,6 +87,32 @@ class EpochData:
     batch: RolloutData
     advantages: torch.Tensor
     reward_advantages: torch.Tensor | None = None
+
+
+class TrainerCallback:
+    """Hooks of one run; override the ones you need."""
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        """Everything is built and restored; the first epoch is next."""
+
+    def on_epoch_start(self, trainer: Trainer) -> None:
+        """Epoch ``trainer.epoch`` is about to sample."""
+
+    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        """Epoch ``trainer.epoch`` ended with ``record`` (what metrics.jsonl gets)."""
+
+    def on_step_start(self, trainer: Trainer, step: list[TrainPiece]) -> None:
+        """An optimizer step on ``step`` begins."""
+
+    def replace_step(
+        self, trainer: Trainer, step: list[TrainPiece], generator: torch.Generator
+    ) -> dict[str, Any] | None:
+        """Return a step record to take the optimizer step's place (nothing is applied),
+        or None to let it run. ``step`` has its silent objectives masked (NaN)."""
+        return None
+
+    def on_step_end(self, trainer: Trainer, step: list[TrainPiece], record: dict[str, Any]) -> None:
+        """The optimizer step on ``step`` ended with ``record``."""
 
 
 class RunComplete(Exception):

@@ -37,7 +37,12 @@ from mogradient_diffusion.config import load_config
 from mogradient_diffusion.distributed import World
 from mogradient_diffusion.mini.recipe import BASE_MODEL, CONFIG, write_prompt_files
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
-from mogradient_diffusion.trainer import Trainer, skipped_step_record
+from mogradient_diffusion.trainer import (
+    Trainer,
+    TrainerCallback,
+    has_signal,
+    skipped_step_record,
+)
 
 # Named ways to cut and draw a step (config overrides on top of the recipe).
 VARIANTS = {
@@ -57,14 +62,17 @@ class GradientPairs:
     second: list[torch.Tensor]
 
 
-def collect(trainer: Trainer, epochs: int) -> GradientPairs:
-    """Run ``epochs`` epochs of rollouts and advantages, taking no optimizer step."""
-    pairs = GradientPairs([], [], [])
+class PairCollector(TrainerCallback):
+    """Takes every optimizer step's place: the step's gradient under two noise draws."""
 
-    def measure(step: list[TrainPiece], generator: torch.Generator, probe=None) -> dict:
-        step, signal = trainer._mask_silent_in_step(step)
+    def __init__(self) -> None:
+        self.pairs = GradientPairs([], [], [])
+
+    def replace_step(
+        self, trainer: Trainer, step: list[TrainPiece], generator: torch.Generator
+    ) -> dict[str, Any]:
         count = step[0].advantages.shape[-1]
-        if signal.any():
+        if has_signal(torch.cat([piece.advantages for piece in step])).any():
             draws = []
             for _ in range(2):
                 losses = trainer.objective.losses(trainer.policy, step, generator, StepMetrics())
@@ -72,16 +80,20 @@ def collect(trainer: Trainer, epochs: int) -> GradientPairs:
                 draws.append(stack.sum(dim=0).double())
                 for parameter in trainer.parameters:  # the KL term went to .grad
                     parameter.grad = None
-            pairs.epochs.append(trainer.epoch)
-            pairs.first.append(draws[0])
-            pairs.second.append(draws[1])
+            self.pairs.epochs.append(trainer.epoch)
+            self.pairs.first.append(draws[0])
+            self.pairs.second.append(draws[1])
         return skipped_step_record("measured", count)
 
-    trainer.optimizer_step_on = measure
+
+def collect(trainer: Trainer, epochs: int) -> GradientPairs:
+    """Run ``epochs`` epochs of rollouts and advantages, taking no optimizer step."""
+    collector = PairCollector()
+    trainer.callbacks = (*trainer.callbacks, collector)
     for epoch in range(epochs):
         trainer.epoch = epoch
         trainer.train_epoch()
-    return pairs
+    return collector.pairs
 
 
 def noise_statistics(pairs: GradientPairs) -> dict[str, float]:

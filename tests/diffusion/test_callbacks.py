@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
-from mogradient_diffusion.callbacks import TrainerCallback
 from mogradient_diffusion.config import load_config
 from mogradient_diffusion.distributed import World
 from mogradient_diffusion.runlog import read_metrics
-from mogradient_diffusion.trainer import Trainer, skipped_step_record
+from mogradient_diffusion.trainer import Trainer, TrainerCallback, skipped_step_record
 
 
 class Recorder(TrainerCallback):

@@ -21,7 +21,7 @@ from mogradient_diffusion.config import load_config
 from mogradient_diffusion.distributed import World
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.runlog import read_metrics
-from mogradient_diffusion.trainer import EpochData, Trainer
+from mogradient_diffusion.trainer import EpochData, Trainer, TrainerCallback
 
 from .rollouts import first_rollout
 
@@ -404,12 +404,13 @@ def test_group_batches_cut_steps_from_whole_groups(tmp_path: Path, grouped: bool
     seen: list[list[int]] = []
     rows: list[float] = []
 
-    def record(step: list[TrainPiece], generator: torch.Generator, probe=None) -> dict:
-        seen.append(step[0].data.group_ids.tolist())
-        rows.extend(step[0].advantages[:, 0].tolist())  # distinct values name the rows
-        return {"time/backward": 0.0, "time/harmonize": 0.0, "time/optimizer": 0.0}
+    class Recording(TrainerCallback):
+        def replace_step(self, trainer: Trainer, step: list[TrainPiece], generator) -> dict:
+            seen.append(step[0].data.group_ids.tolist())
+            rows.extend(step[0].advantages[:, 0].tolist())  # distinct values name the rows
+            return {"time/backward": 0.0, "time/harmonize": 0.0, "time/optimizer": 0.0}
 
-    trainer.optimizer_step_on = record
+    trainer.callbacks = (Recording(),)
     advantages = torch.randn(len(batch), 2, generator=torch.Generator().manual_seed(0))
     mixed = []
     for epoch in range(4):  # several shuffles
