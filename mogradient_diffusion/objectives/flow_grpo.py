@@ -35,13 +35,14 @@ from mogradient_diffusion.objectives.step_rollout import (
     RatioTracker,
     StepRollout,
     check_step_objective_config,
+    flow_grpo_steps,
     forward_copies,
     reference_step_mean,
     rescore_step,
+    sample_request,
     step_rollout,
 )
 from mogradient_diffusion.policy import Policy
-from mogradient_diffusion.sde_rollout import flow_grpo_steps, sample_request
 from mogradient_diffusion.settings import ConfigError
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from mogradient_diffusion.objectives.base import (
 )
 from mogradient_diffusion.objectives.nft_loss import NFTSettings, nft_loss
 from mogradient_diffusion.policy import Policy, PromptEmbeddings
-from mogradient_diffusion.rollout import rollout
+from mogradient_diffusion.sampling.rollout import rollout
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,11 @@ from mogradient_diffusion.objectives.step_rollout import (
     check_step_objective_config,
     forward_copies,
     rescore_step,
+    sample_request,
     step_rollout,
 )
 from mogradient_diffusion.policy import Policy, PromptEmbeddings
-from mogradient_diffusion.sde_rollout import paired_noise, sample_request
+from mogradient_diffusion.sampling.rollout import paired_noise
 from mogradient_diffusion.settings import ConfigError
 
 if TYPE_CHECKING:

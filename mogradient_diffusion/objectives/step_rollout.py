@@ -1,29 +1,113 @@
 """Per-step SDE rollouts shared by the objectives that rescore transitions (Flow-GRPO, SDPO).
 
-They sample with the ``old`` adapter through Flow-GRPO's SDE, keep x_t, x_next and
-log p_old of each trained step, and at training time recompute the log-probability of
-the same transitions under the trained adapter (and the step's mean under the base
-model, for a KL term), with the same conditioning and CFG, so that r = 1 exactly before
-the policy moves.
+They sample a request with the ``old`` adapter through Flow-GRPO's SDE (the sampler of
+``mogradient_diffusion.sampling``), keep x_t, x_next and log p_old of each trained step,
+and at training time recompute the log-probability of the same transitions under the
+trained adapter (and the step's mean under the base model, for a KL term), with the same
+conditioning and CFG, so that r = 1 exactly before the policy moves.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from mogradient_diffusion.objectives.base import StepMetrics
+from mogradient_diffusion.objectives.base import RolloutRequest, StepMetrics
 from mogradient_diffusion.policy import Policy, PromptEmbeddings
-from mogradient_diffusion.sde import transition_log_prob
-from mogradient_diffusion.sde_rollout import SampledRequest, guided_velocity
+from mogradient_diffusion.sampling.rollout import RolloutBatch, guided_velocity, rollout
+from mogradient_diffusion.sampling.sde import transition_log_prob
 from mogradient_diffusion.settings import ConfigError
 
 if TYPE_CHECKING:
     from mogradient_diffusion.settings import RolloutConfig, TrainConfig
+
+
+@dataclass
+class SampledRequest(RolloutBatch):
+    """A request's rollout with each sample's metadata (the rewards SDPO queries on its
+    x0 predictions need it)."""
+
+    metadata: list[dict[str, Any]]
+
+
+def sample_request(
+    policy: Policy,
+    request: RolloutRequest,
+    noise: Tensor,
+    eta: float,
+    sde_steps: Sequence[int],
+    recorded_steps: Sequence[int],
+    record_x0: bool = False,
+) -> SampledRequest:
+    """Sample ``request`` with the ``old`` adapter from x_T = ``noise`` (one row per image):
+    the SDE with noise level ``eta`` on ``sde_steps``, x_t, x_next and log p_old kept for
+    ``recorded_steps``, per-step noise from the request's generator, without gradients."""
+    settings = request.settings
+    batch = rollout(
+        policy,
+        request.prompts,
+        settings.images_per_prompt,
+        settings.steps,
+        resolution=settings.resolution,
+        guidance_scale=settings.guidance_scale,
+        sampler="sde",
+        noise_level=eta,
+        sde_steps=sde_steps,
+        recorded_steps=recorded_steps,
+        record_x0=record_x0,
+        generator=request.generator,
+        adapter="old",
+        noise=noise,
+        batch_size=settings.batch_size,
+        max_sequence_length=settings.max_sequence_length,
+        progress=request.progress,
+        on_images=request.on_images,
+    )
+    per_image = settings.images_per_prompt
+    metadata = [m for m in request.metadata for _ in range(per_image)]
+    return SampledRequest(**vars(batch), metadata=metadata)
+
+
+def flow_grpo_steps(
+    num_steps: int,
+    timestep_fraction: float = 0.99,
+    window_size: int | None = None,
+    window_range: tuple[int, int] = (0, 5),
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], list[int]]:
+    """(SDE steps, trained steps) of one Flow-GRPO rollout.
+
+    Without a window every step is an SDE step and steps 0 .. floor(T f) - 1 are trained
+    (the last one's Gaussian is too sharp to train on). With ``window_size`` w (Fast),
+    a window [s, s + w) with s uniform in [lo, hi - w] is drawn from ``generator``: only
+    those steps are SDE steps, and all of them are trained.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if window_size is None:
+        if not 0.0 < timestep_fraction <= 1.0:
+            raise ValueError(f"timestep_fraction must lie in (0, 1], got {timestep_fraction}")
+        trained = int(num_steps * timestep_fraction)
+        if trained < 1:
+            raise ValueError(
+                f"timestep_fraction {timestep_fraction} of {num_steps} steps trains no step; "
+                "raise it or the number of steps"
+            )
+        return list(range(num_steps)), list(range(trained))
+    low, high = window_range
+    if not (window_size >= 1 and low >= 0 and low + window_size <= high <= num_steps):
+        raise ValueError(
+            f"window_size {window_size} must fit in window_range {window_range} within "
+            f"{num_steps} steps (0 <= lo, lo + w <= hi <= steps)"
+        )
+    start = int(torch.randint(low, high - window_size + 1, (1,), generator=generator).item())
+    window = list(range(start, start + window_size))
+    return window, window
 
 
 @dataclass(frozen=True)
@@ -144,8 +228,8 @@ class RatioTracker:
             self.metrics.add("first_step_max_abs_ratio_minus_one", self.largest)
 
 
-def step_rollout(sampled: SampledRequest, guidance_scale: float) -> StepRollout:
-    """The per-step rollout of a sampled request."""
+def step_rollout(sampled: RolloutBatch, guidance_scale: float) -> StepRollout:
+    """The per-step data the step objectives' losses read, from an SDE rollout."""
     trajectories = sampled.trajectories
     return StepRollout(
         prompts=sampled.prompts,
@@ -157,7 +241,7 @@ def step_rollout(sampled: SampledRequest, guidance_scale: float) -> StepRollout:
         next_latents=trajectories.next_latents,
         log_probs=trajectories.log_probs,
         steps=trajectories.steps,
-        sigmas=trajectories.sigmas,
+        sigmas=sampled.sigmas,
         guidance_scale=guidance_scale,
     )
 
@@ -188,10 +272,14 @@ def check_step_objective_config(rollout: RolloutConfig, train: TrainConfig, name
 
 __all__ = [
     "RatioTracker",
+    "SampledRequest",
     "StepRollout",
     "check_step_objective_config",
+    "flow_grpo_steps",
+    "forward_copies",
     "ratio_metrics",
     "reference_step_mean",
     "rescore_step",
+    "sample_request",
     "step_rollout",
 ]

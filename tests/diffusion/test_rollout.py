@@ -1,4 +1,5 @@
-"""Rollout samplers on the tiny SD3 pipeline, checked against diffusers and closed forms."""
+"""The chunked CFG sampler and its ODE solvers on the tiny SD3 pipeline, checked against
+diffusers and closed forms."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from tolerances import chain_atol
 
 from mogradient_diffusion.policy import LoraSpec, Policy
-from mogradient_diffusion.rollout import RolloutBatch, integrate, rollout, sampler_sigmas
+from mogradient_diffusion.sampling.rollout import RolloutBatch, rollout
+from mogradient_diffusion.sampling.schedule import sampler_sigmas
+from mogradient_diffusion.sampling.solver import integrate
 
 PROMPTS = ["a red cat", 'a sign saying "hello"']
 MAX_TOKENS = 32
@@ -106,18 +109,20 @@ def test_dpm2_reduces_to_euler_at_the_ends_and_converges_at_second_order() -> No
     """For x0 ~ N(0, c^2) the flow ODE maps x1 to exactly c * x1."""
     c = 1.0
 
-    def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    def velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        sigma = sigma.double()[:, None]
         x0_mean = (1 - sigma) * c**2 / ((1 - sigma) ** 2 * c**2 + sigma**2) * x
         return (x - x0_mean) / sigma
 
-    x1 = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    x1 = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
     for steps in (1, 2):  # from sigma = 1 and into sigma = 0 the update is first order
         sigmas = sampler_sigmas(steps)
-        euler = integrate(velocity, x1, sigmas, "euler")
-        assert torch.equal(integrate(velocity, x1, sigmas, "dpm2"), euler)
+        euler = integrate(velocity, x1, sigmas, "euler").final
+        assert torch.equal(integrate(velocity, x1, sigmas, "dpm2").final, euler)
 
     def error(sampler: str, steps: int) -> float:
-        return (integrate(velocity, x1, sampler_sigmas(steps), sampler) - c * x1).norm().item()
+        final = integrate(velocity, x1, sampler_sigmas(steps), sampler).final
+        return (final - c * x1).norm().item()
 
     assert 1.8 < error("euler", 80) / error("euler", 160) < 2.2
     assert error("dpm2", 80) / error("dpm2", 160) > 3.5
@@ -184,3 +189,36 @@ def test_rollout_rejects_bad_arguments(policy: Policy) -> None:
     with pytest.raises(ValueError, match="negative_embeds"):
         negative = policy.encode_prompts(["", ""], MAX_TOKENS)
         _rollout(policy, 3, 2, guidance_scale=2.0, negative_embeds=negative)
+
+
+def test_sde_rollout_records_what_step_objectives_need_in_every_chunk(policy: Policy) -> None:
+    """SDE on a window of steps, x_t, x_next and log p_old of it, x0 predictions at every
+    step, CFG's unconditional rows: per sample, whatever the chunking."""
+    noise = _noise(policy, 6)
+    batch = _rollout(
+        policy,
+        3,
+        4,
+        noise=noise,
+        sampler="sde",
+        guidance_scale=3.0,
+        sde_steps=[1, 2],
+        recorded_steps=[1, 2],
+        record_x0=True,
+        batch_size=4,
+        generator=torch.Generator().manual_seed(3),
+    )
+    recorded = batch.trajectories
+    assert recorded.latents.shape == recorded.next_latents.shape == (6, 2, 4, 8, 8)
+    assert recorded.log_probs.shape == (6, 2) and bool(torch.isfinite(recorded.log_probs).all())
+    assert recorded.steps.tolist() == [1, 2] and recorded.predicted_x0.shape == (6, 4, 4, 8, 8)
+    assert torch.equal(recorded.next_latents[:, 0], recorded.latents[:, 1])
+    assert torch.equal(batch.latents, recorded.final)
+    assert len(batch.negative) == 6 and len(batch.embeds) == 6
+
+    plain = _rollout(policy, 1, 2, noise=noise[:2])
+    assert plain.negative is None and plain.trajectories.predicted_x0 is None
+    assert plain.trajectories.latents.shape == (2, 0, 4, 8, 8)
+    assert plain.trajectories.log_probs.shape == (2, 0)
+    with pytest.raises(ValueError, match="sde_steps need the sde sampler"):
+        _rollout(policy, 1, 2, sampler="dpm2", sde_steps=[0])

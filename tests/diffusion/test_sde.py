@@ -9,20 +9,17 @@ import pytest
 import torch
 from tolerances import chain_atol, eps
 
+from mogradient_diffusion.objectives.step_rollout import flow_grpo_steps
 from mogradient_diffusion.policy import LoraSpec, Policy
-from mogradient_diffusion.rollout import sampler_sigmas
-from mogradient_diffusion.sde import (
+from mogradient_diffusion.sampling.rollout import guided_velocity, paired_noise
+from mogradient_diffusion.sampling.schedule import sampler_sigmas
+from mogradient_diffusion.sampling.sde import (
     gaussian_log_prob,
     noise_scale,
     sde_step_statistics,
     transition_log_prob,
 )
-from mogradient_diffusion.sde_rollout import (
-    flow_grpo_steps,
-    guided_velocity,
-    paired_noise,
-    sample_sde,
-)
+from mogradient_diffusion.sampling.solver import integrate
 
 MAX_TOKENS = 32
 
@@ -109,9 +106,7 @@ def test_gaussian_toy_with_exact_velocity_ends_at_the_data_std(eta: float, data_
     generator = torch.Generator().manual_seed(1)
     noise = torch.randn(100_000, 1, 1, 1, generator=generator)
     steps = 400
-    result = sample_sde(
-        velocity, noise, sampler_sigmas(steps, 3.0), eta, range(steps), [], generator
-    )
+    result = integrate(velocity, noise, sampler_sigmas(steps, 3.0), "sde", eta, generator)
     assert result.final.std().item() / data_std == pytest.approx(1.0, abs=0.01)
 
 
@@ -139,14 +134,15 @@ def _linear_velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def test_window_sampler_is_ode_outside_and_records_window_steps() -> None:
     sigmas = sampler_sigmas(6, 3.0)
     noise = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(0))
-    result = sample_sde(
+    result = integrate(
         _linear_velocity,
         noise,
         sigmas,
+        "sde",
         0.7,
-        [2, 3],
-        [2, 3],
         torch.Generator().manual_seed(1),
+        sde_steps=[2, 3],
+        recorded_steps=[2, 3],
         record_x0=True,
     )
     assert result.latents.shape == (2, 2, 4, 4, 4) and result.log_probs.shape == (2, 2)
@@ -170,7 +166,7 @@ def test_window_sampler_is_ode_outside_and_records_window_steps() -> None:
         )
         torch.testing.assert_close(result.log_probs[:, j], expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="not SDE steps"):
-        sample_sde(_linear_velocity, noise, sigmas, 0.7, [2], [2, 3])
+        integrate(_linear_velocity, noise, sigmas, "sde", sde_steps=[2], recorded_steps=[2, 3])
 
 
 def test_pairs_share_the_start_and_draw_their_own_noise() -> None:
@@ -178,14 +174,14 @@ def test_pairs_share_the_start_and_draw_their_own_noise() -> None:
     assert noise.shape == (6, 4, 4, 4)
     assert torch.equal(noise[0], noise[1]) and torch.equal(noise[4], noise[5])
     assert not torch.equal(noise[1], noise[2])
-    result = sample_sde(
+    result = integrate(
         _linear_velocity,
         noise,
         sampler_sigmas(4, 3.0),
+        "sde",
         0.7,
-        range(4),
-        range(3),
         torch.Generator().manual_seed(1),
+        recorded_steps=range(3),
     )
     assert torch.equal(result.latents[0, 0], result.latents[1, 0])
     assert not torch.allclose(result.next_latents[0, 0], result.next_latents[1, 0])
@@ -213,8 +209,14 @@ def test_training_time_log_prob_reproduces_the_rollout_and_ratio_is_one(policy: 
     )
     sigmas = sampler_sigmas(6, 3.0)
     sampler = guided_velocity(policy, embeds, negative, 4.5, "default")
-    result = sample_sde(
-        sampler, noise, sigmas, 0.7, range(6), range(5), torch.Generator().manual_seed(1)
+    result = integrate(
+        sampler,
+        noise,
+        sigmas,
+        "sde",
+        0.7,
+        torch.Generator().manual_seed(1),
+        recorded_steps=range(5),
     )
 
     def rescored(step: int) -> torch.Tensor:

@@ -19,7 +19,8 @@ from mogradient_diffusion.objectives.sdpo import PairRollout, SDPOObjective, SDP
 from mogradient_diffusion.objectives.step_rollout import StepRollout
 from mogradient_diffusion.policy import PromptEmbeddings
 from mogradient_diffusion.runlog import read_metrics
-from mogradient_diffusion.sde_rollout import guided_velocity, paired_noise, sample_sde
+from mogradient_diffusion.sampling.rollout import guided_velocity, paired_noise
+from mogradient_diffusion.sampling.solver import integrate
 
 SIGMAS = torch.tensor([1.0, 0.8, 0.55, 0.3, 0.0])  # float32, as the sampler schedules
 ETA = 0.7
@@ -58,7 +59,7 @@ def _step_rollout(policy: LinearPolicy, noise: torch.Tensor, recorded: list[int]
     embeds = _embeds(rows)
     velocity = guided_velocity(policy, embeds, None, 1.0, "old")
     generator = torch.Generator().manual_seed(7)
-    result = sample_sde(velocity, noise, SIGMAS, ETA, range(4), recorded, generator)
+    result = integrate(velocity, noise, SIGMAS, "sde", ETA, generator, recorded_steps=recorded)
     return StepRollout(
         prompts=[f"p{i // 2}" for i in range(rows)],
         group_ids=torch.arange(rows) // 2,
