@@ -14,6 +14,7 @@ from mogradient.plotting import (
     plot_metric_panels,
     plot_weight_trajectories,
 )
+from mogradient_diffusion import metric_keys as keys
 from mogradient_diffusion.runlog import read_metrics
 
 PLOTS = "plots"
@@ -31,7 +32,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     rewards = _reward_names(records)
     paths = [_plot_rewards(records, rewards, out / "rewards.png")] if rewards else []
     steps = [step for record in records for step in _steps(record)]
-    weights = [step["weights"] for step in steps if _is_vector(step.get("weights"))]
+    weights = [step[keys.WEIGHTS] for step in steps if _is_vector(step.get(keys.WEIGHTS))]
     if weights and len({len(w) for w in weights}) == 1:
         names = records[-1].get("objectives") or None
         paths.append(
@@ -42,7 +43,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
                 objective_names=names,
             )
         )
-    cosines = [_number(step.get("harmonize/cos_min")) for step in steps]
+    cosines = [_number(step.get(keys.COS_MIN)) for step in steps]
     cosines = [value for value in cosines if math.isfinite(value)]
     if cosines:
         paths.append(plot_cosine_distributions({run_dir.name: cosines}, out / "cosines.png"))
@@ -67,14 +68,8 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 
 def _reward_names(records: list[dict[str, Any]]) -> list[str]:
     """Every reward logged as ``reward/<name>/mean`` in any epoch, in order of appearance."""
-    keys = (key for record in records for key in record)
-    return list(
-        dict.fromkeys(
-            key.split("/")[1]
-            for key in keys
-            if key.startswith("reward/") and key.endswith("/mean") and key.count("/") == 2
-        )
-    )
+    names = (keys.reward_of_mean(key) for record in records for key in record)
+    return list(dict.fromkeys(name for name in names if name is not None))
 
 
 def _plot_rewards(records: list[dict[str, Any]], names: list[str], path: Path) -> Path:
@@ -82,18 +77,18 @@ def _plot_rewards(records: list[dict[str, Any]], names: list[str], path: Path) -
     different scales."""
     epochs = [_number(record.get("step", index)) for index, record in enumerate(records)]
     return plot_metric_panels(
-        {name: [_number(r.get(f"reward/{name}/mean")) for r in records] for name in names},
+        {name: [_number(r.get(keys.reward_mean(name))) for r in records] for name in names},
         path,
         title="Mean reward per epoch (band: ±1 std over the epoch's images)",
         x=epochs,
         xlabel="epoch",
         ylabel="mean reward",
-        spread={name: [_number(r.get(f"reward/{name}/std")) for r in records] for name in names},
+        spread={name: [_number(r.get(keys.reward_std(name))) for r in records] for name in names},
     )
 
 
 def _steps(record: dict[str, Any]) -> list[dict[str, Any]]:
-    steps = record.get("optimizer_steps")
+    steps = record.get(keys.OPTIMIZER_STEPS)
     return [step for step in steps if isinstance(step, dict)] if isinstance(steps, list) else []
 
 

@@ -35,6 +35,7 @@ from mogradient import MGDA, conflict_diagnostics, flat_gradient
 from mogradient.distributed import apply_weights
 from mogradient.gradients import accumulate_gradients
 from mogradient.objectives import CombinableLoss
+from mogradient_diffusion import metric_keys as keys
 from mogradient_diffusion.checkpoint import (
     Restored,
     keep_last,
@@ -73,7 +74,6 @@ from mogradient_diffusion.strategies import Strategy, build_strategy
 LossStream = Iterator[tuple[float, CombinableLoss]]
 # Each optimizer step's timers, summed per epoch. The conflict probe's extra gradients are
 # a measurement, not part of any method's cost: apart, in time/probe.
-STEP_TIMERS = ("time/backward", "time/harmonize", "time/probe", "time/optimizer")
 
 
 @dataclass(frozen=True)
@@ -263,21 +263,21 @@ class Trainer:
                 "is train.learning_rate or lora.alpha far too large?); the rewards were not "
                 f"asked to score them; {self._kept_checkpoint()}"
             )
-        times["time/rollout"] = time.perf_counter() - started
+        times[keys.ROLLOUT_TIME] = time.perf_counter() - started
         started = time.perf_counter()  # overlapped: only the wait after sampling is counted
         if background is not None:
             rewards, reward_seconds = background.collect()
         else:
             rewards, reward_seconds = self.rewards(batch.images, prompts, metadata)
-        times["time/reward"] = time.perf_counter() - started
+        times[keys.REWARD_TIME] = time.perf_counter() - started
         epoch_data, stats = self._advantages(rewards, batch)
         started = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         step_records = self._train_on(epoch_data)
-        for key in STEP_TIMERS:
+        for key in keys.STEP_TIMERS:
             times[key] = sum(record[key] for record in step_records)
-        times["time/train"] = time.perf_counter() - started
+        times[keys.TRAIN_TIME] = time.perf_counter() - started
         # The reference schedules count optimizer steps, not epochs.
         decay = old_decay(
             self.config.train.old_schedule, self.optimizer_step, self.config.train.old_cap
@@ -401,17 +401,19 @@ class Trainer:
             weights, record = self._solve_step(losses, count, self._replayer(step, replay))
         else:
             weights, record = self._combined_step(losses, count)
-        record.update({f"objective/{key}": value for key, value in metrics.summary().items()})
+        record.update(
+            {keys.objective_metric(key): value for key, value in metrics.summary().items()}
+        )
         started = time.perf_counter()
-        record["time/probe"] = 0.0
-        if probe is not None and not record["solved"]:
+        record[keys.PROBE_TIME] = 0.0
+        if probe is not None and not record[keys.SOLVED]:
             probe, _ = self._mask_silent_in_step(probe)
             record.update(self._conflict_probe(probe, self._replayer(probe, replay)))
-            record["time/probe"] = time.perf_counter() - started
-        record["weights"] = [float(w) for w in weights]
+            record[keys.PROBE_TIME] = time.perf_counter() - started
+        record[keys.WEIGHTS] = [float(w) for w in weights]
         started = time.perf_counter()
         self._apply_step(record)
-        record["time/optimizer"] = time.perf_counter() - started
+        record[keys.OPTIMIZER_TIME] = time.perf_counter() - started
         return record
 
     def _replayer(self, step: list[TrainPiece], state: torch.Tensor) -> Callable[[], LossStream]:
@@ -431,7 +433,7 @@ class Trainer:
         """Per-objective gradients (the KL term straight to ``.grad``), solve, apply."""
         started = time.perf_counter()
         stack = self.gradients.stack(losses, count)
-        record: dict[str, Any] = {"time/backward": time.perf_counter() - started}
+        record: dict[str, Any] = {keys.BACKWARD_TIME: time.perf_counter() - started}
         self._check_engine(stack, replay, count)
         started = time.perf_counter()
         self.world.average_gradients(self.parameters)
@@ -446,9 +448,9 @@ class Trainer:
             fallback=solved.fallback,
         )
         record.update(
-            {f"harmonize/{k}": v for k, v in diagnostics.items() if not isinstance(v, list)}
+            {keys.harmonize(k): v for k, v in diagnostics.items() if not isinstance(v, list)}
         )
-        record["time/harmonize"] = time.perf_counter() - started
+        record[keys.HARMONIZE_TIME] = time.perf_counter() - started
         record.update(solved=1, fallback=solved.fallback, engine=self.gradients.name)
         return weights, record
 
@@ -478,10 +480,10 @@ class Trainer:
         weights = self.world.broadcast(cached.weights)
         started = time.perf_counter()
         accumulate_gradients(losses, self.parameters, weights)
-        record: dict[str, Any] = {"time/backward": time.perf_counter() - started}
+        record: dict[str, Any] = {keys.BACKWARD_TIME: time.perf_counter() - started}
         started = time.perf_counter()
         self.world.average_gradients(self.parameters)
-        record["time/harmonize"] = time.perf_counter() - started
+        record[keys.HARMONIZE_TIME] = time.perf_counter() - started
         record.update(solved=0, fallback=cached.fallback)
         return weights, record
 
@@ -495,7 +497,7 @@ class Trainer:
             self.ema.update()
             self._nonfinite_streak = 0
         else:
-            record["skipped"] = "non-finite gradients"
+            record[keys.SKIPPED] = "non-finite gradients"
             self._skip_nonfinite_step()
         self.optimizer.zero_grad(set_to_none=True)
         if not all_finite(self.parameters):
@@ -541,7 +543,7 @@ class Trainer:
         direction = flat_gradient(self.parameters).float()
         diagnostics = conflict_diagnostics(torch.ones(count), jacobian=stack, direction=direction)
         record = {  # no weight/k: the probe's unit weights only set the round-off tolerance
-            f"harmonize/{k}": v
+            keys.harmonize(k): v
             for k, v in diagnostics.items()
             if not isinstance(v, list) and not k.startswith("weight/")
         }
@@ -564,9 +566,9 @@ class Trainer:
             direction.double(), fresh.direction.double(), dim=0
         )
         return {
-            "stale/steps_since_solve": float(amortizer.steps_since_solve or 0),
-            "stale/cos_to_fresh": float(cosine),
-            "stale/fresh_cos_min": float(fresh_diagnostics["cos_min"]),
+            keys.STEPS_SINCE_SOLVE: float(amortizer.steps_since_solve or 0),
+            keys.COS_TO_FRESH: float(cosine),
+            keys.FRESH_COS_MIN: float(fresh_diagnostics["cos_min"]),
         }
 
     def _mask_silent_in_step(self, step: list[TrainPiece]) -> tuple[list[TrainPiece], torch.Tensor]:
@@ -615,34 +617,34 @@ class Trainer:
         for index, name in enumerate(self.reward_names):
             column = all_rewards[:, index]
             valid = column[~torch.isnan(column)]
-            record[f"reward/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
+            record[keys.reward_mean(name)] = float(valid.mean()) if len(valid) else float("nan")
             population_std = float(valid.std(unbiased=False)) if len(valid) else float("nan")
-            record[f"reward/{name}/std"] = population_std
-            record[f"time/reward/{name}"] = float(reward_seconds.get(name, float("nan")))
+            record[keys.reward_std(name)] = population_std
+            record[keys.reward_time(name)] = float(reward_seconds.get(name, float("nan")))
         objectives = self.strategy.objective_names(self.epoch)
         for key, values in stats.items():
             for name, value in zip(objectives, values.tolist(), strict=True):
-                record[f"advantage/{name}/{key}"] = value
+                record[keys.advantage_stat(name, key)] = value
         record["old_decay"] = decay
-        record["optimizer_steps"] = step_records
+        record[keys.OPTIMIZER_STEPS] = step_records
         record["objectives"] = objectives
         if self.world.size > 1:
-            record["ddp/parameter_divergence"] = self.world.divergence(self.parameters)
-        record["objectives_without_signal"] = [
+            record[keys.PARAMETER_DIVERGENCE] = self.world.divergence(self.parameters)
+        record[keys.OBJECTIVES_WITHOUT_SIGNAL] = [
             n for n, s in zip(objectives, silent, strict=True) if s
         ]
-        record["rewards_without_signal"] = [
+        record[keys.REWARDS_WITHOUT_SIGNAL] = [
             name
             for index, name in enumerate(self.reward_names)
             if torch.isnan(all_rewards[:, index]).all()
         ]
-        for name in record["rewards_without_signal"]:
+        for name in record[keys.REWARDS_WITHOUT_SIGNAL]:
             self._warn(
                 f"epoch {self.epoch}: reward {name!r} was NaN (not applicable) for every "
                 "image: it gave no training signal"
             )
         if torch.cuda.is_available():
-            record["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            record[keys.PEAK_MEMORY] = torch.cuda.max_memory_allocated() / 2**30
         return record
 
     def _check_outputs_finite(self) -> None:
@@ -784,8 +786,8 @@ def build_rewards(config: TrainingConfig) -> RewardSet:
 
 def skipped_step_record(reason: str, count: int) -> dict[str, Any]:
     """The record of an optimizer step that applied nothing (``count`` objectives)."""
-    idle = dict.fromkeys(STEP_TIMERS, 0.0)
-    return idle | {"skipped": reason, "solved": 0, "weights": [0.0] * count}
+    idle = dict.fromkeys(keys.STEP_TIMERS, 0.0)
+    return idle | {keys.SKIPPED: reason, keys.SOLVED: 0, keys.WEIGHTS: [0.0] * count}
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -804,8 +806,8 @@ def _summary(record: dict[str, Any], reward_names: list[str]) -> dict[str, str]:
     """The progress bar's fields: each reward's mean, and with one objective per reward
     the weight its gradient got in the epoch's last step (on the raw gradients)."""
     summary = {name: f"{_number(record.get(f'reward/{name}/mean')):.3g}" for name in reward_names}
-    steps = record.get("optimizer_steps") or [{}]
-    weights = steps[-1].get("weights") or []
+    steps = record.get(keys.OPTIMIZER_STEPS) or [{}]
+    weights = steps[-1].get(keys.WEIGHTS) or []
     if len(weights) == len(reward_names):
         for name, weight in zip(reward_names, weights, strict=True):
             summary[name] += f" (weight {weight:.2g})"

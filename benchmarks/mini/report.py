@@ -21,6 +21,7 @@ import numpy as np
 import yaml
 
 from benchmarks.mini.runs import RunResult
+from mogradient_diffusion import metric_keys as keys
 from mogradient_diffusion.compare import metric_value, ranked_table
 from mogradient_diffusion.mini.recipe import HELD_OUT, TRAIN_REWARDS
 from mogradient_diffusion.runlog import read_metrics
@@ -157,7 +158,7 @@ def _rising_rows(results: list[RunResult], rewards: list[str]) -> list[dict[str,
         for name in _trained(runs[0].run_dir, rewards):
             firsts, lasts = [], []
             for run in runs:
-                series = [_number(r.get(f"reward/{name}/mean")) for r in read_metrics(run.run_dir)]
+                series = [_number(r.get(keys.reward_mean(name))) for r in read_metrics(run.run_dir)]
                 series = [v for v in series if math.isfinite(v)]
                 if len(series) >= 3:
                     third = len(series) // 3
@@ -258,16 +259,16 @@ def step_cosines(run_dir: Path) -> list[dict[str, Any]]:
     cached step without the probe)."""
     steps = []
     for record in read_metrics(run_dir):
-        for step in record["optimizer_steps"]:
-            if step.get("harmonize/stationary"):
+        for step in record[keys.OPTIMIZER_STEPS]:
+            if step.get(keys.STATIONARY):
                 continue
-            low, var = step.get("harmonize/cos_min"), step.get("harmonize/cos_var")
+            low, var = step.get(keys.COS_MIN), step.get(keys.COS_VAR)
             usable = low is not None and var is not None
             steps.append(
                 {
                     "cos_min": low if usable else None,
                     "cos_var": var if usable else None,
-                    "solved": step["solved"],
+                    "solved": step[keys.SOLVED],
                 }
             )
     return steps
@@ -292,7 +293,7 @@ def _conflict_rows(results: list[RunResult]) -> list[dict[str, Any]]:
         per_run = []
         for run in runs:
             chosen = [
-                s for s in step_cosines(run.run_dir) if solved is None or s["solved"] == solved
+                s for s in step_cosines(run.run_dir) if solved is None or s[keys.SOLVED] == solved
             ]
             if chosen and all(s["cos_min"] is not None for s in chosen):  # a run counts whole
                 per_run.append(chosen)
@@ -353,13 +354,13 @@ def _staleness_rows(results: list[RunResult]) -> list[dict[str, Any]]:
         if result.method.key != "marble" or result.run_dir is None:
             continue
         for record in read_metrics(result.run_dir):
-            for step in record["optimizer_steps"]:
-                if "stale/cos_to_fresh" in step:
-                    groups[int(step["stale/steps_since_solve"])].append(step)
+            for step in record[keys.OPTIMIZER_STEPS]:
+                if keys.COS_TO_FRESH in step:
+                    groups[int(step[keys.STEPS_SINCE_SOLVE])].append(step)
     rows = []
     for since, steps in sorted(groups.items()):
-        applied = np.array([_number(s.get("harmonize/cos_min")) for s in steps])
-        to_fresh = np.array([s["stale/cos_to_fresh"] for s in steps])
+        applied = np.array([_number(s.get(keys.COS_MIN)) for s in steps])
+        to_fresh = np.array([s[keys.COS_TO_FRESH] for s in steps])
         rows.append(
             {
                 "steps_since_solve": since,
@@ -367,7 +368,7 @@ def _staleness_rows(results: list[RunResult]) -> list[dict[str, Any]]:
                 "mean_cos_to_fresh": float(to_fresh.mean()),
                 "min_cos_to_fresh": float(to_fresh.min()),
                 "applied_negative_fraction": float(np.mean(applied[np.isfinite(applied)] < 0)),
-                "fresh_mean_min_cos": float(np.mean([s["stale/fresh_cos_min"] for s in steps])),
+                "fresh_mean_min_cos": float(np.mean([s[keys.FRESH_COS_MIN] for s in steps])),
             }
         )
     return rows
@@ -404,9 +405,9 @@ def _cost_rows(results: list[RunResult]) -> list[dict[str, Any]]:
     rows = []
     for result in results:
         records = read_metrics(result.run_dir)[1:]  # epoch 0: first-call costs
-        steps = sum(len(r["optimizer_steps"]) for r in records)
-        train = sum(r["time/train"] for r in records)
-        rollout = float(np.median([r["time/rollout"] for r in records])) if records else math.nan
+        steps = sum(len(r[keys.OPTIMIZER_STEPS]) for r in records)
+        train = sum(r[keys.TRAIN_TIME] for r in records)
+        rollout = float(np.median([r[keys.ROLLOUT_TIME] for r in records])) if records else math.nan
         rows.append(
             {
                 "key": result.method.key,
@@ -461,7 +462,7 @@ def _plots(results: list[RunResult], out: Path) -> None:
         records = read_metrics(result.run_dir)
         for name in TRAIN_REWARDS:
             curves[result.method.label][name].append(
-                [_number(r.get(f"reward/{name}/mean")) for r in records]
+                [_number(r.get(keys.reward_mean(name))) for r in records]
             )
     # rows that trained on none of these rewards (the noise control) have no curve: left
     # out, so they take no colour of the cycle
@@ -486,8 +487,8 @@ def _plots(results: list[RunResult], out: Path) -> None:
 
     marble = next((r for r in results if r.method.key == "marble" and r.run_dir), None)
     if marble is not None:
-        steps = [s for r in read_metrics(marble.run_dir) for s in r["optimizer_steps"]]
-        weights = np.array([s["weights"] for s in steps], dtype=float)
+        steps = [s for r in read_metrics(marble.run_dir) for s in r[keys.OPTIMIZER_STEPS]]
+        weights = np.array([s[keys.WEIGHTS] for s in steps], dtype=float)
         figure, axis = plt.subplots(figsize=(6, 3.5))
         for k, name in enumerate(TRAIN_REWARDS):
             axis.plot(weights[:, k], label=name)

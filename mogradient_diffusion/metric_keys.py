@@ -1,0 +1,70 @@
+"""The names in metrics.jsonl: one source for the trainer that writes them and every reader
+(plots, the miniature's report, the benchmarks), so a renamed metric cannot go unread.
+
+An epoch's record holds the epoch-level names and, under ``OPTIMIZER_STEPS``, one record
+per optimizer step with the step-level names.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- per epoch
+OPTIMIZER_STEPS = "optimizer_steps"
+ROLLOUT_TIME = "time/rollout"
+REWARD_TIME = "time/reward"
+TRAIN_TIME = "time/train"
+PEAK_MEMORY = "memory/peak_gib"
+PARAMETER_DIVERGENCE = "ddp/parameter_divergence"
+OBJECTIVES_WITHOUT_SIGNAL = "objectives_without_signal"
+REWARDS_WITHOUT_SIGNAL = "rewards_without_signal"
+
+
+def reward_mean(name: str) -> str:
+    return f"reward/{name}/mean"
+
+
+def reward_of_mean(key: str) -> str | None:
+    """The reward whose mean ``key`` names (``reward_mean``'s inverse), else None."""
+    parts = key.split("/")
+    return parts[1] if len(parts) == 3 and parts[0] == "reward" and parts[2] == "mean" else None
+
+
+def reward_std(name: str) -> str:
+    return f"reward/{name}/std"
+
+
+def reward_time(name: str) -> str:
+    return f"time/reward/{name}"
+
+
+def advantage_stat(name: str, statistic: str) -> str:
+    return f"advantage/{name}/{statistic}"
+
+
+# --------------------------------------------------------- per optimizer step
+SOLVED = "solved"
+WEIGHTS = "weights"
+FALLBACK = "fallback"
+SKIPPED = "skipped"
+ENGINE = "engine"
+BACKWARD_TIME = "time/backward"
+HARMONIZE_TIME = "time/harmonize"
+PROBE_TIME = "time/probe"
+OPTIMIZER_TIME = "time/optimizer"
+STEP_TIMERS = (BACKWARD_TIME, HARMONIZE_TIME, PROBE_TIME, OPTIMIZER_TIME)
+COS_MIN = "harmonize/cos_min"
+COS_MEAN = "harmonize/cos_mean"
+COS_VAR = "harmonize/cos_var"
+STATIONARY = "harmonize/stationary"
+STEPS_SINCE_SOLVE = "stale/steps_since_solve"
+COS_TO_FRESH = "stale/cos_to_fresh"
+FRESH_COS_MIN = "stale/fresh_cos_min"
+
+
+def harmonize(diagnostic: str) -> str:
+    """A conflict diagnostic of the applied update (``cos_min``, ``cos_mean``, ...)."""
+    return f"harmonize/{diagnostic}"
+
+
+def objective_metric(name: str) -> str:
+    """A diagnostic the objective reports for the step (``ratio_mean``, ...)."""
+    return f"objective/{name}"
