@@ -42,6 +42,8 @@ from typing import Any
 
 from common import machine_info, machine_markdown, markdown_table, publish
 
+from mogradient_diffusion import metric_keys as keys
+
 NAME = "engine_cost"
 ROOT = Path(__file__).resolve().parents[1]
 MINI = ROOT / "mogradient_diffusion" / "mini"
@@ -137,17 +139,17 @@ def run_once(row: Row, epochs: int, workdir: Path, tag: str, prompts: Path) -> d
         raise RuntimeError(f"{tag} failed:\n{log.read_text()[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = records[1:] if len(records) > 1 else records
-    steps = [step for record in timed for step in record["optimizer_steps"]]
+    steps = [step for record in timed for step in record[keys.OPTIMIZER_STEPS]]
     return {
-        "train_s": statistics.mean(r["time/train"] for r in timed),
+        "train_s": statistics.mean(r[keys.TRAIN_TIME] for r in timed),
         "epoch_s": statistics.mean(
-            r["time/rollout"] + r["time/reward"] + r["time/train"] for r in timed
+            r[keys.ROLLOUT_TIME] + r[keys.REWARD_TIME] + r[keys.TRAIN_TIME] for r in timed
         ),
-        "probe_s": statistics.mean(r.get("time/probe", 0.0) for r in timed),
-        "backward_s": statistics.mean(r["time/backward"] for r in timed),
-        "solved": sum(int(step["solved"]) for step in steps),
+        "probe_s": statistics.mean(r.get(keys.PROBE_TIME, 0.0) for r in timed),
+        "backward_s": statistics.mean(r[keys.BACKWARD_TIME] for r in timed),
+        "solved": sum(int(step[keys.SOLVED]) for step in steps),
         "steps": len(steps),
-        "skipped": sum(1 for step in steps if "skipped" in step),
+        "skipped": sum(1 for step in steps if keys.SKIPPED in step),
         "engines": sorted({step["engine"] for step in steps if "engine" in step}),
         "peak_rss_mib": usage.ru_maxrss / 1024,
     }

@@ -66,6 +66,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
 from mogradient.gradients import accumulate_gradients, flat_gradient, write_gradient
+from mogradient_diffusion import metric_keys as keys
 from mogradient_diffusion import policy as policy_module
 from mogradient_diffusion.config import TrainingConfig, load_config
 from mogradient_diffusion.distributed import World
@@ -557,8 +558,8 @@ class StepTimer(TrainerCallback):
         self.steps.append(
             {
                 "seconds": time.perf_counter() - self._started,
-                "solved": int(record["solved"]),
-                "fallback": record["fallback"],
+                "solved": int(record[keys.SOLVED]),
+                "fallback": record[keys.FALLBACK],
                 "engine": record.get("engine"),  # solve steps: rows or batched
                 "sample_timesteps": sum(len(p) * p.data.timesteps for p in step),
             }
@@ -583,14 +584,14 @@ def run_epoch(
     trainer.epoch += 1
     return {
         "epoch_s": seconds,
-        "rollout_s": record["time/rollout"],
-        "reward_s": record["time/reward"],
+        "rollout_s": record[keys.ROLLOUT_TIME],
+        "reward_s": record[keys.REWARD_TIME],
         "train_s": sum(step["seconds"] for step in timer.steps),
         "steps": timer.steps,
         # Training-phase peak: the trainer resets the peak right before its optimizer steps.
-        "peak_memory_gib": record.get("memory/peak_gib", peak_rss_gib()),
+        "peak_memory_gib": record.get(keys.PEAK_MEMORY, peak_rss_gib()),
         "resident_gib": resident,
-        "objectives_without_signal": record["objectives_without_signal"],
+        "objectives_without_signal": record[keys.OBJECTIVES_WITHOUT_SIGNAL],
     }
 
 
