@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
+from mogradient_diffusion.devices import parse_device
 from mogradient_diffusion.objectives import UnknownObjectiveError, objective_class
 from mogradient_diffusion.policy import DTYPES, LoraSpec
 from mogradient_diffusion.sampling.solver import SAMPLERS
@@ -387,13 +387,11 @@ def _check_device(key: str, device: str) -> None:
     if device == "auto":
         return
     try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError):
-        raise ConfigError(f"{key}: {device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+        kind = parse_device(device, key).type
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if kind not in ("cpu", "cuda"):
         raise ConfigError(f"{key}={device!r}: training runs on cpu or cuda devices only")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{key}={device!r} but CUDA is not available on this machine; use cpu")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

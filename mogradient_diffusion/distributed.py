@@ -38,6 +38,8 @@ class World:
         if device == "auto":
             device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
         resolved = torch.device(device)
+        if resolved.type == "cuda" and resolved.index is None:  # set_device needs an index
+            resolved = torch.device("cuda", local_rank)
         if resolved.type == "cuda":
             torch.cuda.set_device(resolved)
         if size > 1 and not dist.is_initialized():

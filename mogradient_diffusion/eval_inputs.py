@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import yaml
 
+from mogradient_diffusion.devices import parse_device
+
 LORA_FILE = "pytorch_lora_weights.safetensors"
 TRANSFORMER_PREFIX = "transformer."
 
@@ -78,23 +80,10 @@ def resolve_device(name: str) -> torch.device:
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise ValueError(
-            f"--device {name!r} is not a device (auto, cpu, cuda, cuda:1, ...)"
-        ) from None
-    if device.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine; use cpu")
-    index = 0 if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s), "
-            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
-        )
-    return torch.device("cuda", index)
+    device = parse_device(name, "--device")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", 0)
+    return device
 
 
 def check_output_dir(out: str) -> Path:

@@ -114,3 +114,26 @@ def test_a_lora_target_that_matches_nothing_is_one_line_naming_the_layers(
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "Traceback" not in error and "lora.target_modules ['x'] match no module" in error
     assert "to_q" in error and "to_out.0" in error
+
+
+def test_a_bare_cuda_device_trains_on_this_ranks_gpu(monkeypatch) -> None:
+    """``model.device=cuda`` under torchrun: each rank's own GPU, with the index that
+    ``torch.cuda.set_device`` needs (a bare ``cuda`` made it raise)."""
+    from mogradient_diffusion.distributed import World
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert World.from_environment("cuda").device == torch.device("cuda", 1)
+    assert chosen == [torch.device("cuda", 1)]
+
+
+def test_a_gpu_index_this_machine_lacks_is_a_config_error(monkeypatch) -> None:
+    from mogradient_diffusion.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"model.device 'cuda:2'.*cuda:0 to cuda:1"):
+        load_config(preset="tiny", overrides=["model.device=cuda:2"])
