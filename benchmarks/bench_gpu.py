@@ -3,7 +3,7 @@
 Why: the reference trainers publish no time or memory per step for SD3.5-M, and MARBLE's
 paper reports 0.97x of weighted-sum throughput amortized, 0.56x solving every step, and
 1.14x memory. This script measures those quantities on one accelerator, with the real
-trainer (``mogradient_diffusion.trainer.Trainer``: rollout, rewards, advantages, the NFT
+trainer (``mogradient_diffusion.training.trainer.Trainer``: rollout, rewards, advantages, the NFT
 loss, per-reward gradients or one combined backward, MGDA, AdamW, EMA) on a model of the
 real shape, so that one command on an H100/H200 gives publishable figures.
 
@@ -66,20 +66,20 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
 from mogradient.gradients import accumulate_gradients, flat_gradient, write_gradient
-from mogradient_diffusion import metric_keys as keys
-from mogradient_diffusion import policy as policy_module
-from mogradient_diffusion.config import TrainingConfig, load_config
-from mogradient_diffusion.distributed import World
+from mogradient_diffusion.config.loading import TrainingConfig, load_config
+from mogradient_diffusion.model import policy as policy_module
+from mogradient_diffusion.model.policy import PromptEmbeddings
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.objectives.nft import NFTRollout
-from mogradient_diffusion.policy import PromptEmbeddings
 from mogradient_diffusion.rewards import Reward, register_reward
 from mogradient_diffusion.rewards.base import Metadata
 from mogradient_diffusion.sampling.rollout import rollout
 from mogradient_diffusion.sampling.schedule import sampler_sigmas
-from mogradient_diffusion.step_gradients import StepGradients
-from mogradient_diffusion.strategies import Strategy, build_strategy
-from mogradient_diffusion.trainer import Trainer, TrainerCallback
+from mogradient_diffusion.training import metric_keys as keys
+from mogradient_diffusion.training.distributed import World
+from mogradient_diffusion.training.step_gradients import StepGradients
+from mogradient_diffusion.training.strategies import Strategy, build_strategy
+from mogradient_diffusion.training.trainer import Trainer, TrainerCallback
 
 # The compared rows: each a strategy of bench_trainer's and the engine of its per-objective
 # gradients (auto: the per-row engine; batched: K backward passes, as before it).

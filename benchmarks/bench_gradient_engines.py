@@ -36,8 +36,8 @@ from common import (
 )
 from torch import nn
 
+from mogradient.combinable import CombinableLoss, masked_mean_coefficients
 from mogradient.gradients import combinable_gradients, objective_gradients
-from mogradient.objectives import CombinableLoss, masked_mean_coefficients
 
 NAME = "gradient_engines"
 NUM_OBJECTIVES = 5

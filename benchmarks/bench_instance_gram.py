@@ -41,7 +41,7 @@ import torch
 from common import machine_info, machine_markdown, markdown_table, publish
 from torch import nn
 
-from mogradient.objectives import CombinableLoss
+from mogradient.combinable import CombinableLoss
 from mogradient.row_gradients import RowGradients
 
 NAME = "instance_gram"

@@ -38,9 +38,9 @@ from typing import Any
 
 from common import machine_info, machine_markdown, markdown_table, write_results
 
-from mogradient_diffusion.config import load_config
-from mogradient_diffusion.distributed import World
-from mogradient_diffusion.trainer import Trainer, TrainerCallback
+from mogradient_diffusion.config.loading import load_config
+from mogradient_diffusion.training.distributed import World
+from mogradient_diffusion.training.trainer import Trainer, TrainerCallback
 
 NAME = "trainer_tiny_cpu"
 # One thread: on this shared 2-core VM other jobs keep the load average above 1, and a

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional
 
 from mogradient import UPGrad
-from mogradient.objectives import CombinableLoss
+from mogradient.combinable import CombinableLoss
 from mogradient.row_gradients import RowGradients
 
 

@@ -9,6 +9,7 @@ from mogradient._gram import CosineGram, gram_matrix
 from mogradient._qp import SimplexQPSolution, solve_simplex_qp
 from mogradient._qp_cone import ConeQPSolution, solve_cone_qp
 from mogradient.amortize import AmortizedStep, Amortizer
+from mogradient.combinable import CombinableLoss, masked_mean_coefficients
 from mogradient.diagnostics import ConflictAccumulator, conflict_diagnostics
 from mogradient.ema import WeightEMA
 from mogradient.errors import SolverError, UnusedParameterError
@@ -39,7 +40,6 @@ from mogradient.harmonizers import (
     WeighResult,
     make_harmonizer,
 )
-from mogradient.objectives import CombinableLoss, masked_mean_coefficients
 
 __version__ = "0.1.0"
 

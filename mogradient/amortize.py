@@ -1,6 +1,6 @@
 """Amortized harmonization: a full solve every N steps, cached smoothed weights in between.
 
-With a :class:`~mogradient.objectives.CombinableLoss`, a cached step costs one backward
+With a :class:`~mogradient.combinable.CombinableLoss`, a cached step costs one backward
 of ``loss.combined(weights)`` and applies exactly sum_k w_k g_k. Fallbacks are explicit:
 every step reports whether it solved, and why it did not use a fresh solution.
 """

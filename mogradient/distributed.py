@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from mogradient.combinable import CombinableLoss
 from mogradient.gradients import combinable_gradients, objective_gradients, write_gradient
 from mogradient.harmonizers.base import Harmonization, Harmonizer, combine
-from mogradient.objectives import CombinableLoss
 from mogradient.row_gradients import RowGradients
 
 LossFunction = Callable[[], "torch.Tensor | Sequence[torch.Tensor] | CombinableLoss"]

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from mogradient.combinable import CombinableLoss
 from mogradient.errors import UnusedParameterError
-from mogradient.objectives import CombinableLoss
 
 ParameterFilter = Callable[[str, nn.Parameter], bool]
 # Plain tensors, or named ones (``module.named_parameters()`` or a dict) so that errors

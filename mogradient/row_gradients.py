@@ -1,7 +1,7 @@
 """K objective gradients for one backward pass per row value, from per-row gradients.
 
-A :class:`~mogradient.objectives.CombinableLoss` that declares its
-:class:`~mogradient.objectives.RowValues` s (V x R, each entry depending on the network
+A :class:`~mogradient.combinable.CombinableLoss` that declares its
+:class:`~mogradient.combinable.RowValues` s (V x R, each entry depending on the network
 through one forward row) has grad L_k = sum_{v,r} c[k,v,r] grad s[v,r] with
 c = dL_k / ds. At a trainable ``nn.Linear`` (y = x W^T + b) the gradient of
 sum_r s[v,r] splits by rows as delta_r^T x_r, which the ordinary backward already holds
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mogradient.combinable import CombinableLoss
 from mogradient.errors import UnusedParameterError
 from mogradient.gradients import accumulate_gradients, combinable_gradients
-from mogradient.objectives import CombinableLoss
 
 
 class RowGradientError(RuntimeError):

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mogradient_diffusion.config import ConfigError, TrainingConfig, load_config, run_home
+from mogradient_diffusion.config.loading import ConfigError, TrainingConfig, load_config, run_home
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _add_eval_parser(commands) -> None:
-    from mogradient_diffusion.evaluate import PROMPT_SETS, EvalSettings
-    from mogradient_diffusion.few_step_eval import FEW_STEPS
+    from mogradient_diffusion.evaluation.evaluate import PROMPT_SETS, EvalSettings
+    from mogradient_diffusion.evaluation.few_step import FEW_STEPS
 
     sets = ", ".join(PROMPT_SETS)
     fallback = {name: field.default for name, field in EvalSettings.__dataclass_fields__.items()}
@@ -198,8 +198,8 @@ RUN_FLAGS = ("model", "steps", "guidance_scale", "resolution", "max_sequence_len
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from mogradient_diffusion.evaluate import EvalSettings, evaluate
-    from mogradient_diffusion.few_step_eval import evaluate_at_steps
+    from mogradient_diffusion.evaluation.evaluate import EvalSettings, evaluate
+    from mogradient_diffusion.evaluation.few_step import evaluate_at_steps
     from mogradient_diffusion.rewards import MissingWeightsError, RewardError
 
     try:
@@ -241,7 +241,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _run_flags(args: argparse.Namespace) -> dict:
     """``RUN_FLAGS`` values: a given flag, else the LoRA's run's setting (announced), else
     EvalSettings' default; ValueError when no model is named either way."""
-    from mogradient_diffusion.eval_inputs import run_defaults
+    from mogradient_diffusion.evaluation.inputs import run_defaults
 
     given = {name: getattr(args, name) for name in RUN_FLAGS if getattr(args, name) is not None}
     config_path, from_run = run_defaults(args.lora)
@@ -297,7 +297,7 @@ def _metric_options(items: list[str]) -> dict[str, dict]:
 
 
 def _compare(eval_dirs: list[Path], out: Path | None, allow_mixed: bool) -> int:
-    from mogradient_diffusion.compare import comparison_table
+    from mogradient_diffusion.evaluation.compare import comparison_table
 
     try:
         table = comparison_table(eval_dirs, allow_mixed_settings=allow_mixed)
@@ -325,7 +325,7 @@ def _train(
     config_path: Path | None, preset: str | None, overrides: list[str], allow_change: bool
 ) -> int:
     """Exit 2 for what the user must fix (config, lock, files), 1 for a run that failed."""
-    from mogradient_diffusion.distributed import World
+    from mogradient_diffusion.training.distributed import World
 
     world_size = World.size_from_environment()
     if preset is None and config_path is None:
@@ -337,10 +337,10 @@ def _train(
         return 2
     if config_path is not None and run_home(config_path) == Path(config.run.directory):
         _note_moved_run(config_path)
-    from mogradient_diffusion.checkpoint import CorruptCheckpointError
     from mogradient_diffusion.rewards import RewardError
-    from mogradient_diffusion.run_lock import RunDirectoryLocked, RunLock, describe_holder
-    from mogradient_diffusion.trainer import NonFiniteError, RunComplete, Trainer
+    from mogradient_diffusion.runs.checkpoint import CorruptCheckpointError
+    from mogradient_diffusion.runs.lock import RunDirectoryLocked, RunLock, describe_holder
+    from mogradient_diffusion.training.trainer import NonFiniteError, RunComplete, Trainer
 
     world = World.from_environment(config.model.device)
     lock = RunLock(config.run.directory)
@@ -394,7 +394,7 @@ def _note_moved_run(config_path: Path) -> None:
 
 def _saved(config: TrainingConfig) -> str:
     """What an interrupted run keeps, and how to go on from it."""
-    from mogradient_diffusion.checkpoint import latest_checkpoint
+    from mogradient_diffusion.runs.checkpoint import latest_checkpoint
 
     latest = latest_checkpoint(config.run.directory)
     if latest is None:
@@ -403,7 +403,7 @@ def _saved(config: TrainingConfig) -> str:
 
 
 def _plot(run_dir: Path) -> int:
-    from mogradient_diffusion.plots import plot_run
+    from mogradient_diffusion.runs.plots import plot_run
 
     if not (run_dir / "metrics.jsonl").is_file():
         print(

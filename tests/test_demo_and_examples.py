@@ -105,7 +105,7 @@ def test_instance_wise_gram_example_learns_and_its_gram_is_the_per_sample_one() 
     from torch import nn
     from torch.nn import functional
 
-    from mogradient.objectives import CombinableLoss
+    from mogradient.combinable import CombinableLoss
     from mogradient.row_gradients import RowGradients
 
     torch.manual_seed(0)

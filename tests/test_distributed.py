@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mogradient import MGDA, CombinableLoss, combinable_gradients, objective_gradients
+from mogradient.combinable import RowValues
 from mogradient.distributed import apply_harmonized, apply_weights, ddp_objective_gradients
-from mogradient.objectives import RowValues
 from mogradient.row_gradients import RowGradients
 
 WORLD_SIZE = 2

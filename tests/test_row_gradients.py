@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mogradient.combinable import CombinableLoss, RowValues
 from mogradient.errors import UnusedParameterError
 from mogradient.gradients import accumulate_gradients, combinable_gradients, flat_gradient
-from mogradient.objectives import CombinableLoss, RowValues
 from mogradient.row_gradients import RowGradientError, RowGradients, check_close
 
 ROWS, TOKENS, WIDTH, K = 6, 5, 8, 5

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mogradient_diffusion.cli import main as cli
-from mogradient_diffusion.runlog import read_metrics
+from mogradient_diffusion.runs.metrics_log import read_metrics
 
 STEP_OBJECTIVE = ["rollout.sampler=sde", "train.old_schedule=copy"]
 RUNS: dict[str, list[str]] = {

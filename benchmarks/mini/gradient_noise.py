@@ -33,11 +33,11 @@ import torch
 
 from benchmarks.mini.learnability import specialist_overrides
 from mogradient.gradients import accumulate_gradients
-from mogradient_diffusion.config import load_config
-from mogradient_diffusion.distributed import World
+from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.mini.recipe import BASE_MODEL, CONFIG, write_prompt_files
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
-from mogradient_diffusion.trainer import (
+from mogradient_diffusion.training.distributed import World
+from mogradient_diffusion.training.trainer import (
     Trainer,
     TrainerCallback,
     has_signal,

@@ -115,7 +115,7 @@ def measure_base(
 ) -> dict[str, Any]:
     """Sample the recipe's groups at the base model and score them with every reward."""
     import mogradient_diffusion.mini  # noqa: F401  (registers the miniature's rewards)
-    from mogradient_diffusion.policy import LoraSpec, Policy
+    from mogradient_diffusion.model.policy import LoraSpec, Policy
     from mogradient_diffusion.rewards.registry import make_reward
     from mogradient_diffusion.sampling.rollout import rollout
 

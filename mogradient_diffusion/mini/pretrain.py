@@ -45,7 +45,7 @@ from mogradient_diffusion.mini.world import (
     split_prompts,
     vocabulary,
 )
-from mogradient_diffusion.tiny import TinySD3Spec, build_tiny_pipeline
+from mogradient_diffusion.model.tiny import TinySD3Spec, build_tiny_pipeline
 
 SPEC = TinySD3Spec(
     resolution=64,

@@ -14,7 +14,7 @@ The trainer knows nothing of any objective's maths. Per epoch it asks the object
    rank's rows, one column per strategy objective: [B, K'] per sample (NFT, Flow-GRPO) or
    [B, S, K'] per sample and step (SDPO). NaN marks "this objective does not apply here".
 3. ``losses``: for the micro-batches of one optimizer step, yield ``(scale, loss)`` pieces,
-   each loss a :class:`~mogradient.objectives.CombinableLoss` (shared differentiable
+   each loss a :class:`~mogradient.combinable.CombinableLoss` (shared differentiable
    per-sample terms, constant per-objective coefficients, non-harmonized terms such as a
    KL penalty in ``extra``) so that ``sum scale * loss.combined(w)`` is the step's loss for
    any weights ``w`` at once. This is what makes MARBLE's cached steps exact: one backward
@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from mogradient.objectives import CombinableLoss
+from mogradient.combinable import CombinableLoss
 
 if TYPE_CHECKING:
-    from mogradient_diffusion.policy import Policy
-    from mogradient_diffusion.settings import RolloutConfig, TrainConfig
+    from mogradient_diffusion.config.settings import RolloutConfig, TrainConfig
+    from mogradient_diffusion.model.policy import Policy
 
 Scorer = Callable[[torch.Tensor, list[str], list[dict[str, Any]]], torch.Tensor]
 """``score(images [N, 3, H, W] in [0, 1], prompts [N], metadata [N]) -> rewards [N, K]``.
@@ -125,7 +125,7 @@ class Advantages:
     where objective k does not apply to a sample. The trainer masks an objective whose
     values are all zero or NaN over the batch (or over an optimizer step) to NaN, so an
     objective's losses must give an exactly zero coefficient wherever an advantage is NaN
-    (``mogradient.objectives.masked_mean_coefficients`` does that). ``stats``: name ->
+    (``mogradient.combinable.masked_mean_coefficients`` does that). ``stats``: name ->
     tensor [K'] (logged as ``advantage/<objective>/<name>``), computed on all ranks' rows.
     """
 

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from mogradient.objectives import CombinableLoss, RowValues, masked_mean_coefficients
-from mogradient_diffusion.advantages import group_advantages
+from mogradient.combinable import CombinableLoss, RowValues, masked_mean_coefficients
+from mogradient_diffusion.config.settings import ConfigError
+from mogradient_diffusion.model.policy import Policy
 from mogradient_diffusion.objectives.base import (
     Advantages,
     RewardView,
@@ -42,11 +43,10 @@ from mogradient_diffusion.objectives.step_rollout import (
     sample_request,
     step_rollout,
 )
-from mogradient_diffusion.policy import Policy
-from mogradient_diffusion.settings import ConfigError
+from mogradient_diffusion.training.advantages import group_advantages
 
 if TYPE_CHECKING:
-    from mogradient_diffusion.settings import RolloutConfig, TrainConfig
+    from mogradient_diffusion.config.settings import RolloutConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def flow_grpo_loss(
     (2 sigma_t^2); beta times its mean over ``total_entries`` (default N) is ``extra``.
     ``row_copies``: the N entries are the rows of one forward, stacked that many times
     (2 under CFG): every term then reaches the network through its row's log-probability,
-    and the loss declares it (:class:`~mogradient.objectives.RowValues`).
+    and the loss declares it (:class:`~mogradient.combinable.RowValues`).
     """
     if log_probs.ndim != 1 or old_log_probs.shape != log_probs.shape:
         raise ValueError(

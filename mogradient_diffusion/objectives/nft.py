@@ -16,8 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from mogradient.objectives import CombinableLoss
-from mogradient_diffusion.advantages import group_advantages
+from mogradient.combinable import CombinableLoss
+from mogradient_diffusion.model.policy import Policy, PromptEmbeddings
 from mogradient_diffusion.objectives.base import (
     Advantages,
     RewardView,
@@ -29,8 +29,8 @@ from mogradient_diffusion.objectives.base import (
     applicable_counts,
 )
 from mogradient_diffusion.objectives.nft_loss import NFTSettings, nft_loss
-from mogradient_diffusion.policy import Policy, PromptEmbeddings
 from mogradient_diffusion.sampling.rollout import rollout
+from mogradient_diffusion.training.advantages import group_advantages
 
 
 @dataclass(frozen=True)

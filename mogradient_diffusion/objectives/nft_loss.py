@@ -4,7 +4,7 @@ Sample i's loss for reward k is r_ki * P_i + (1 - r_ki) * N_i. The branch errors
 from the trained and the old velocity only, so every reward shares them; the reward enters
 through the constant ratio r_ki. Returning P, N as terms and the masked ratios as
 coefficients lets MARBLE take K per-reward gradients, or one combined backward, from a
-single forward pass, exactly (see ``mogradient.objectives``).
+single forward pass, exactly (see ``mogradient.combinable``).
 
 Conventions follow SD3 flow matching: x_t = (1 - t) x0 + t * noise, velocity target
 noise - x0, so the implied clean sample is x0_hat = x_t - t * v.
@@ -17,9 +17,9 @@ from typing import Literal, get_args
 
 import torch
 
-from mogradient.objectives import CombinableLoss, RowValues, masked_mean_coefficients
-from mogradient_diffusion.advantages import STD_MODES
+from mogradient.combinable import CombinableLoss, RowValues, masked_mean_coefficients
 from mogradient_diffusion.objectives.base import check_real
+from mogradient_diffusion.training.advantages import STD_MODES
 
 NFTForm = Literal["x0_adaptive", "velocity"]
 FORMS: tuple[str, ...] = get_args(NFTForm)

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from mogradient.objectives import CombinableLoss, RowValues, masked_mean_coefficients
-from mogradient_diffusion.advantages import group_advantages
+from mogradient.combinable import CombinableLoss, RowValues, masked_mean_coefficients
+from mogradient_diffusion.config.settings import ConfigError
+from mogradient_diffusion.model.policy import Policy, PromptEmbeddings
 from mogradient_diffusion.objectives.base import (
     Advantages,
     RewardView,
@@ -56,12 +57,11 @@ from mogradient_diffusion.objectives.step_rollout import (
     sample_request,
     step_rollout,
 )
-from mogradient_diffusion.policy import Policy, PromptEmbeddings
 from mogradient_diffusion.sampling.rollout import paired_noise
-from mogradient_diffusion.settings import ConfigError
+from mogradient_diffusion.training.advantages import group_advantages
 
 if TYPE_CHECKING:
-    from mogradient_diffusion.settings import RolloutConfig, TrainConfig
+    from mogradient_diffusion.config.settings import RolloutConfig, TrainConfig
 
 
 @dataclass(frozen=True)

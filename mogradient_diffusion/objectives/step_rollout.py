@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from mogradient_diffusion.config.settings import ConfigError
+from mogradient_diffusion.model.policy import Policy, PromptEmbeddings
 from mogradient_diffusion.objectives.base import RolloutRequest, StepMetrics
-from mogradient_diffusion.policy import Policy, PromptEmbeddings
 from mogradient_diffusion.sampling.rollout import RolloutBatch, guided_velocity, rollout
 from mogradient_diffusion.sampling.sde import transition_log_prob
-from mogradient_diffusion.settings import ConfigError
 
 if TYPE_CHECKING:
-    from mogradient_diffusion.settings import RolloutConfig, TrainConfig
+    from mogradient_diffusion.config.settings import RolloutConfig, TrainConfig
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mogradient_diffusion.policy import ADAPTERS, Policy, PromptEmbeddings
+from mogradient_diffusion.model.policy import ADAPTERS, Policy, PromptEmbeddings
 from mogradient_diffusion.sampling.schedule import sampler_sigmas
 from mogradient_diffusion.sampling.solver import (
     SAMPLERS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mogradient_diffusion.policy import NUM_TRAIN_TIMESTEPS
+from mogradient_diffusion.model.policy import NUM_TRAIN_TIMESTEPS
 
 
 def sampler_sigmas(

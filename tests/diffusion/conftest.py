@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("diffusers", reason="the diffusion extra is not installed")
 
-from mogradient_diffusion.tiny import save_tiny_pipeline
+from mogradient_diffusion.model.tiny import save_tiny_pipeline
 
 
 @pytest.fixture(scope="session")

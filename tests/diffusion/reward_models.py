@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from mogradient_diffusion.tiny import _clip_tokenizer
+from mogradient_diffusion.model.tiny import _clip_tokenizer
 
 WORDS = ("photo", "cat", "dog", "red", "blue", "sign", "saying", "hello", "two", "of", "a")
 IMAGE_SIZE = 32

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from mogradient_diffusion.objectives import RolloutRequest
-from mogradient_diffusion.trainer import Trainer
+from mogradient_diffusion.training.trainer import Trainer
 
 
 def first_rollout(trainer: Trainer, seed: int = 0) -> Any:

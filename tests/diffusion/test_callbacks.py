@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from mogradient_diffusion.config import load_config
-from mogradient_diffusion.distributed import World
-from mogradient_diffusion.runlog import read_metrics
-from mogradient_diffusion.trainer import Trainer, TrainerCallback, skipped_step_record
+from mogradient_diffusion.config.loading import load_config
+from mogradient_diffusion.runs.metrics_log import read_metrics
+from mogradient_diffusion.training.distributed import World
+from mogradient_diffusion.training.trainer import Trainer, TrainerCallback, skipped_step_record
 
 
 class Recorder(TrainerCallback):

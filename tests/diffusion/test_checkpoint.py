@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mogradient_diffusion import checkpoint
-from mogradient_diffusion.checkpoint import (
+from mogradient_diffusion.runs import checkpoint
+from mogradient_diffusion.runs.checkpoint import (
     CorruptCheckpointError,
     keep_last,
     latest_checkpoint,

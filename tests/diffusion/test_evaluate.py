@@ -13,9 +13,8 @@ import torch
 from PIL import Image
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.compare import comparison_table, composite_scores
-from mogradient_diffusion.eval_grid import GAP, TILE
-from mogradient_diffusion.evaluate import (
+from mogradient_diffusion.evaluation.compare import comparison_table, composite_scores
+from mogradient_diffusion.evaluation.evaluate import (
     PROMPT_SETS,
     EvalSettings,
     bootstrap_interval,
@@ -23,7 +22,8 @@ from mogradient_diffusion.evaluate import (
     resolve_prompt_set,
     summarize,
 )
-from mogradient_diffusion.policy import LoraSpec, Policy
+from mogradient_diffusion.evaluation.grid import GAP, TILE
+from mogradient_diffusion.model.policy import LoraSpec, Policy
 
 from .reward_models import save_tiny_clip
 

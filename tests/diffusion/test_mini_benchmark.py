@@ -44,7 +44,7 @@ from mogradient_diffusion.mini.recipe import (  # noqa: E402
     write_prompt_files,
 )
 from mogradient_diffusion.mini.world import all_prompts, split_prompts, vocabulary  # noqa: E402
-from mogradient_diffusion.prompts import load_prompt_file  # noqa: E402
+from mogradient_diffusion.prompts.sources import load_prompt_file  # noqa: E402
 
 
 def test_prompt_split_is_fixed_disjoint_and_covers_every_source():
@@ -107,7 +107,7 @@ def test_full_mode_has_every_row_the_issue_names():
 
 
 def test_cost_runs_train_fewer_epochs_than_the_budget(tmp_path):
-    from mogradient_diffusion.config import load_config
+    from mogradient_diffusion.config.loading import load_config
 
     for method in cost_methods():
         config = load_config(
@@ -121,7 +121,7 @@ def test_cost_runs_train_fewer_epochs_than_the_budget(tmp_path):
 @pytest.mark.parametrize("reward", TRAIN_REWARDS)
 def test_specialists_train_on_every_prompt_their_reward_scores_and_no_other(tmp_path, reward):
     import mogradient_diffusion.mini  # noqa: F401
-    from mogradient_diffusion.config import load_config
+    from mogradient_diffusion.config.loading import load_config
     from mogradient_diffusion.rewards.registry import make_reward
 
     method = next(m for m in methods(MODES["full"]) if m.key == f"single_{reward}")
@@ -147,7 +147,7 @@ def test_specialists_train_on_every_prompt_their_reward_scores_and_no_other(tmp_
     ("objective", "strategy"), [("flow_grpo", "weighted_sum"), ("sdpo", "marble")]
 )
 def test_objective_rows_are_valid_recipes(tmp_path, objective, strategy):
-    from mogradient_diffusion.config import load_config
+    from mogradient_diffusion.config.loading import load_config
 
     method = next(m for m in objective_methods() if m.key == f"{objective}_{strategy}")
     config = load_config(

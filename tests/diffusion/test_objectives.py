@@ -8,8 +8,8 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from mogradient_diffusion.advantages import weighted_reward
-from mogradient_diffusion.config import ConfigError, StrategyConfig, load_config
+from mogradient_diffusion.config.loading import ConfigError, StrategyConfig, load_config
+from mogradient_diffusion.model.policy import PromptEmbeddings
 from mogradient_diffusion.objectives import (
     Objective,
     StepMetrics,
@@ -19,9 +19,9 @@ from mogradient_diffusion.objectives import (
     objective_class,
 )
 from mogradient_diffusion.objectives.nft import NFTObjective, NFTRollout, NFTSettings
-from mogradient_diffusion.policy import PromptEmbeddings
-from mogradient_diffusion.strategies import build_strategy
-from mogradient_diffusion.trainer import has_signal, mask_objectives
+from mogradient_diffusion.training.advantages import weighted_reward
+from mogradient_diffusion.training.strategies import build_strategy
+from mogradient_diffusion.training.trainer import has_signal, mask_objectives
 
 
 def test_registry_builds_nft_and_refuses_unknown_names_and_wrong_settings() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tolerances import chain_atol
 
-from mogradient_diffusion.policy import (
+from mogradient_diffusion.model.policy import (
     LORA_TARGETS,
     LoraSpec,
     ParameterEMA,

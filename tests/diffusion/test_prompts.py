@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mogradient_diffusion.prompts import (
+from mogradient_diffusion.prompts.sources import (
     PromptSource,
     StratifiedPromptSampler,
     find_prompt_file,

@@ -18,10 +18,10 @@ from diffusers.models.normalization import RMSNorm
 
 from mogradient.gradients import accumulate_gradients, flat_gradient
 from mogradient.row_gradients import RowGradients
-from mogradient_diffusion.config import load_config
-from mogradient_diffusion.distributed import World
+from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
-from mogradient_diffusion.trainer import Trainer
+from mogradient_diffusion.training.distributed import World
+from mogradient_diffusion.training.trainer import Trainer
 
 from .rollouts import first_rollout
 

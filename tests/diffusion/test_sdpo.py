@@ -283,8 +283,8 @@ def test_loss_input_validation() -> None:
 
 
 def test_few_step_evaluation_tabulates_each_step_count(tiny_pipeline_dir, tmp_path) -> None:
-    from mogradient_diffusion.evaluate import EvalSettings
-    from mogradient_diffusion.few_step_eval import evaluate_at_steps
+    from mogradient_diffusion.evaluation.evaluate import EvalSettings
+    from mogradient_diffusion.evaluation.few_step import evaluate_at_steps
 
     settings = EvalSettings(
         model=str(tiny_pipeline_dir),

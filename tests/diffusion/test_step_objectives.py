@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config import ConfigError, load_config
+from mogradient_diffusion.config.loading import ConfigError, load_config
+from mogradient_diffusion.model.policy import PromptEmbeddings
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.objectives.flow_grpo import FlowGRPOObjective, FlowGRPOSettings
 from mogradient_diffusion.objectives.sdpo import PairRollout, SDPOObjective, SDPOSettings
 from mogradient_diffusion.objectives.step_rollout import StepRollout
-from mogradient_diffusion.policy import PromptEmbeddings
-from mogradient_diffusion.runlog import read_metrics
+from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.sampling.rollout import guided_velocity, paired_noise
 from mogradient_diffusion.sampling.solver import integrate
 

@@ -31,7 +31,7 @@ def test_tiny_pipeline_round_trips_and_generates(tiny_pipeline_dir: Path) -> Non
 def test_clip_tokenizer_keeps_every_known_word_whole() -> None:
     """BPE merges of one word must not split another (green was g/re/e/n</w>)."""
     from mogradient_diffusion.mini.world import vocabulary
-    from mogradient_diffusion.tiny import DEFAULT_WORDS, _clip_tokenizer
+    from mogradient_diffusion.model.tiny import DEFAULT_WORDS, _clip_tokenizer
 
     words = tuple(dict.fromkeys(DEFAULT_WORDS + vocabulary()))
     tokenizer = _clip_tokenizer(words)

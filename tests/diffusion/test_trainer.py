@@ -17,11 +17,11 @@ import torch
 from mogradient.gradients import accumulate_gradients
 from mogradient.harmonizers.base import combine
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config import load_config
-from mogradient_diffusion.distributed import World
+from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
-from mogradient_diffusion.runlog import read_metrics
-from mogradient_diffusion.trainer import EpochData, Trainer, TrainerCallback
+from mogradient_diffusion.runs.metrics_log import read_metrics
+from mogradient_diffusion.training.distributed import World
+from mogradient_diffusion.training.trainer import EpochData, Trainer, TrainerCallback
 
 from .rollouts import first_rollout
 
@@ -246,7 +246,7 @@ def test_configuration_errors_are_one_line_before_any_model_loads(
 
 @pytest.mark.parametrize("recipe", sorted(Path("configs").glob("sd35m_*.yaml")), ids=str)
 def test_shipped_recipes_validate(recipe: Path) -> None:
-    from mogradient_diffusion import config as config_module
+    from mogradient_diffusion.config import loading as config_module
     from mogradient_diffusion.rewards import REWARDS
 
     world_size = 16 if "base" not in recipe.name else 1
@@ -380,7 +380,7 @@ def test_killed_run_resumes_and_reproduces_the_uninterrupted_one(tmp_path: Path)
     ],
 )
 def test_invalid_settings_are_rejected_up_front(override: str, message: str) -> None:
-    from mogradient_diffusion.config import ConfigError
+    from mogradient_diffusion.config.loading import ConfigError
 
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         load_config(preset="tiny", overrides=[override])
@@ -475,7 +475,7 @@ def test_an_engine_that_disagrees_is_replaced_by_k_backward_passes(
     """A model the per-row engine gets wrong (here: its check made to fail) trains on with
     K backward passes from that very step, with a warning, never with the wrong stack."""
     from mogradient.row_gradients import RowGradientError
-    from mogradient_diffusion import step_gradients
+    from mogradient_diffusion.training import step_gradients
 
     def disagree(*args, **kwargs):
         raise RowGradientError("planted disagreement")

@@ -51,5 +51,5 @@ def never_load_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the pipeline was loaded before the error was reported")
 
-    monkeypatch.setattr("mogradient_diffusion.trainer.Policy.load", refuse)
-    monkeypatch.setattr("mogradient_diffusion.tiny.save_tiny_pipeline", refuse)
+    monkeypatch.setattr("mogradient_diffusion.training.trainer.Policy.load", refuse)
+    monkeypatch.setattr("mogradient_diffusion.model.tiny.save_tiny_pipeline", refuse)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.compare import comparison_table
+from mogradient_diffusion.evaluation.compare import comparison_table
 
 SETTINGS = {
     "prompt_file": "/prompts/general.txt",

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mogradient_diffusion.checkpoint import (
+from mogradient_diffusion.cli import main
+from mogradient_diffusion.runs.checkpoint import (
     CorruptCheckpointError,
     load_newest_intact,
     save_checkpoint,
 )
-from mogradient_diffusion.cli import main
-from mogradient_diffusion.runlog import read_metrics
+from mogradient_diffusion.runs.metrics_log import read_metrics
 
 from .conftest import train_arguments
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.eval_inputs import LORA_FILE, resolve_device
+from mogradient_diffusion.evaluation.inputs import LORA_FILE, resolve_device
 
 
 def _one_line(text: str) -> str:
@@ -36,7 +36,7 @@ def no_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the pipeline was loaded before the error was reported")
 
-    monkeypatch.setattr("mogradient_diffusion.evaluate.load_sd3_pipeline", refuse)
+    monkeypatch.setattr("mogradient_diffusion.evaluation.evaluate.load_sd3_pipeline", refuse)
 
 
 def _lora_copy(trained_run: Path, target: Path, change=None) -> Path:

@@ -12,9 +12,9 @@ import pytest
 from PIL import Image, ImageFont
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.eval_grid import FONT_SIZE, TILE, caption_lines, save_grid
-from mogradient_diffusion.evaluate import summarize, summary_markdown
-from mogradient_diffusion.few_step_eval import few_steps_markdown
+from mogradient_diffusion.evaluation.evaluate import summarize, summary_markdown
+from mogradient_diffusion.evaluation.few_step import few_steps_markdown
+from mogradient_diffusion.evaluation.grid import FONT_SIZE, TILE, caption_lines, save_grid
 
 
 def _eval(model: Path, out: Path, prompts: int) -> int:
@@ -37,14 +37,14 @@ def test_a_rerun_replaces_the_evaluation_and_keeps_other_files(
         raise RuntimeError("out of memory")
 
     with monkeypatch.context() as patch:  # a run that dies midway changes nothing
-        patch.setattr("mogradient_diffusion.evaluate.generate", fail)
+        patch.setattr("mogradient_diffusion.evaluation.evaluate.generate", fail)
         with pytest.raises(RuntimeError):
             _eval(tiny_pipeline_dir, out, 1)
     assert (out / "samples.jsonl").read_text() == before
     assert len(list((out / "images").iterdir())) == 3
     assert not (out / ".eval-in-progress").exists()
     with monkeypatch.context() as patch:  # nor does it leave a folder it created
-        patch.setattr("mogradient_diffusion.evaluate.generate", fail)
+        patch.setattr("mogradient_diffusion.evaluation.evaluate.generate", fail)
         with pytest.raises(RuntimeError):
             _eval(tiny_pipeline_dir, tmp_path / "new", 1)
     assert not (tmp_path / "new").exists()

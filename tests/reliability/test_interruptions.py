@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mogradient_diffusion import checkpoint
-from mogradient_diffusion.checkpoint import latest_checkpoint
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.runlog import read_metrics
-from mogradient_diffusion.trainer import Trainer
+from mogradient_diffusion.runs import checkpoint
+from mogradient_diffusion.runs.checkpoint import latest_checkpoint
+from mogradient_diffusion.runs.metrics_log import read_metrics
+from mogradient_diffusion.training.trainer import Trainer
 
 from .conftest import train_arguments
 

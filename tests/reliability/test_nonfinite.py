@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from mogradient_diffusion.checkpoint import (
+from mogradient_diffusion.cli import main
+from mogradient_diffusion.config.loading import ConfigError, load_config
+from mogradient_diffusion.runs.checkpoint import (
     CorruptCheckpointError,
     latest_checkpoint,
     load_checkpoint,
     load_newest_intact,
     save_checkpoint,
 )
-from mogradient_diffusion.cli import main
-from mogradient_diffusion.config import ConfigError, load_config
-from mogradient_diffusion.distributed import World
-from mogradient_diffusion.runlog import read_metrics
-from mogradient_diffusion.trainer import NonFiniteError, Trainer
+from mogradient_diffusion.runs.metrics_log import read_metrics
+from mogradient_diffusion.training.distributed import World
+from mogradient_diffusion.training.trainer import NonFiniteError, Trainer
 
 from .conftest import train_arguments
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mogradient_diffusion.checkpoint import latest_checkpoint, load_checkpoint
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config import ConfigError, load_config
-from mogradient_diffusion.resume import check_resume
+from mogradient_diffusion.config.loading import ConfigError, load_config
+from mogradient_diffusion.runs.checkpoint import latest_checkpoint, load_checkpoint
+from mogradient_diffusion.runs.resume import check_resume
 
 from .conftest import train_arguments
 

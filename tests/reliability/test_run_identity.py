@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.runlog import read_metrics
+from mogradient_diffusion.runs.metrics_log import read_metrics
 
 from .conftest import train_arguments
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.run_lock import LOCK_FILE, RunDirectoryLocked, RunLock
+from mogradient_diffusion.runs.lock import LOCK_FILE, RunDirectoryLocked, RunLock
 
 from .conftest import train_arguments
 
-HOLD = "import sys, time; from mogradient_diffusion.run_lock import RunLock; "
+HOLD = "import sys, time; from mogradient_diffusion.runs.lock import RunLock; "
 HOLD += "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
 
 

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.runlog import read_metrics
+from mogradient_diffusion.runs.metrics_log import read_metrics
 
 from .conftest import train_arguments
 from .test_user_errors import USER_REWARDS

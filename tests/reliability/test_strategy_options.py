@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mogradient_diffusion.config import ConfigError, load_config
-from mogradient_diffusion.strategies import build_strategy
+from mogradient_diffusion.config.loading import ConfigError, load_config
+from mogradient_diffusion.training.strategies import build_strategy
 
 
 def _amortizer(*overrides: str):

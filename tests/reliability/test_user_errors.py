@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config import load_config
+from mogradient_diffusion.config.loading import load_config
 
 from .conftest import train_arguments
 
@@ -119,7 +119,7 @@ def test_a_lora_target_that_matches_nothing_is_one_line_naming_the_layers(
 def test_a_bare_cuda_device_trains_on_this_ranks_gpu(monkeypatch) -> None:
     """``model.device=cuda`` under torchrun: each rank's own GPU, with the index that
     ``torch.cuda.set_device`` needs (a bare ``cuda`` made it raise)."""
-    from mogradient_diffusion.distributed import World
+    from mogradient_diffusion.training.distributed import World
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -131,7 +131,7 @@ def test_a_bare_cuda_device_trains_on_this_ranks_gpu(monkeypatch) -> None:
 
 
 def test_a_gpu_index_this_machine_lacks_is_a_config_error(monkeypatch) -> None:
-    from mogradient_diffusion.config import ConfigError
+    from mogradient_diffusion.config.loading import ConfigError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -15,7 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mogradient_diffusion.evaluate import EvalSettings, evaluate, interval_text, number_text
+from mogradient_diffusion.evaluation.evaluate import (
+    EvalSettings,
+    evaluate,
+    interval_text,
+    number_text,
+)
 
 FEW_STEPS = (1, 2, 4, 8, 16)
 

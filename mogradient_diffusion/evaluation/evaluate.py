@@ -30,15 +30,15 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from mogradient_diffusion.eval_grid import save_grid
-from mogradient_diffusion.eval_inputs import check_lora, check_output_dir, resolve_device
-from mogradient_diffusion.policy import DTYPES, load_sd3_pipeline
-from mogradient_diffusion.prompts import PromptSource, load_prompt_file
+from mogradient_diffusion.evaluation.grid import save_grid
+from mogradient_diffusion.evaluation.inputs import check_lora, check_output_dir, resolve_device
+from mogradient_diffusion.model.policy import DTYPES, load_sd3_pipeline
+from mogradient_diffusion.prompts.sources import PromptSource, load_prompt_file
 from mogradient_diffusion.rewards import RewardSet, make_reward
 from mogradient_diffusion.rewards.background import BackgroundScoring
 from mogradient_diffusion.rewards.base import to_uint8_images
 
-PROMPT_SETS_DIR = Path(__file__).with_name("eval_prompts")
+PROMPT_SETS_DIR = Path(__file__).parents[1] / "prompts" / "eval_prompts"
 PROMPT_SETS = {"geneval": "geneval.jsonl", "ocr": "ocr.txt", "general": "general.txt"}
 
 
@@ -66,7 +66,7 @@ class EvalSettings:
 
     def validate(self) -> None:
         """Fail before any model loads: bad numbers, unknown metrics, missing prompt file."""
-        from mogradient_diffusion.config import import_reward_modules
+        from mogradient_diffusion.config.loading import import_reward_modules
         from mogradient_diffusion.rewards import REWARDS
 
         import_reward_modules(self.reward_modules)

@@ -18,8 +18,8 @@ import torch
 from mogradient import MGDA, PCGrad, RewardDropout, make_harmonizer
 from mogradient.amortize import AmortizedStep, Amortizer
 from mogradient.harmonizers import FixedWeights, Harmonizer, Mean, RandomWeights
-from mogradient_diffusion.advantages import weighted_reward
-from mogradient_diffusion.settings import StrategyConfig
+from mogradient_diffusion.config.settings import StrategyConfig
+from mogradient_diffusion.training.advantages import weighted_reward
 
 _GRADIENT_FREE = (FixedWeights, Mean, RandomWeights)
 _RANDOMIZED = ("rlw", "gradvac", "pcgrad")

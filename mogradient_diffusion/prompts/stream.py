@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mogradient_diffusion.prompts import PromptSource, StratifiedPromptSampler, load_prompt_file
-from mogradient_diffusion.settings import ConfigError, PromptsConfig
+from mogradient_diffusion.config.settings import ConfigError, PromptsConfig
+from mogradient_diffusion.prompts.sources import (
+    PromptSource,
+    StratifiedPromptSampler,
+    load_prompt_file,
+)
 
 BUILT_IN_SOURCES = (
     PromptSource(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import yaml
 
-from mogradient_diffusion.devices import parse_device
+from mogradient_diffusion.config.devices import parse_device
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 TRANSFORMER_PREFIX = "transformer."

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from mogradient.combinable import CombinableLoss
 from mogradient.gradients import accumulate_gradients
-from mogradient.objectives import CombinableLoss
 from mogradient.row_gradients import RowGradientError, RowGradients, check_close
 
 ENGINES = ("auto", "batched")

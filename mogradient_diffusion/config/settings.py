@@ -2,7 +2,7 @@
 
 The parts of the trainer read the sections they need from here (sampling its
 ``RolloutConfig``, objectives the rollout and train sections they check), while
-``mogradient_diffusion.config`` assembles them into one ``TrainingConfig``, loads and
+``mogradient_diffusion.config.loading`` assembles them into one ``TrainingConfig``, loads and
 validates it: the config sits above the parts, and none of them imports it.
 """
 

@@ -20,11 +20,8 @@ from typing import Any
 
 import yaml
 
-from mogradient_diffusion.devices import parse_device
-from mogradient_diffusion.objectives import UnknownObjectiveError, objective_class
-from mogradient_diffusion.policy import DTYPES, LoraSpec
-from mogradient_diffusion.sampling.solver import SAMPLERS
-from mogradient_diffusion.settings import (
+from mogradient_diffusion.config.devices import parse_device
+from mogradient_diffusion.config.settings import (
     ConfigError,
     ModelConfig,
     PromptsConfig,
@@ -35,6 +32,9 @@ from mogradient_diffusion.settings import (
     StrategyConfig,
     TrainConfig,
 )
+from mogradient_diffusion.model.policy import DTYPES, LoraSpec
+from mogradient_diffusion.objectives import UnknownObjectiveError, objective_class
+from mogradient_diffusion.sampling.solver import SAMPLERS
 
 
 @dataclass

@@ -32,19 +32,18 @@ import yaml
 from tqdm.auto import tqdm
 
 from mogradient import MGDA, conflict_diagnostics, flat_gradient
+from mogradient.combinable import CombinableLoss
 from mogradient.distributed import apply_weights
 from mogradient.gradients import accumulate_gradients
-from mogradient.objectives import CombinableLoss
-from mogradient_diffusion import metric_keys as keys
-from mogradient_diffusion.checkpoint import (
-    Restored,
-    keep_last,
-    latest_checkpoint,
-    load_newest_intact,
-    save_checkpoint,
+from mogradient_diffusion.config.loading import ConfigError, TrainingConfig, read_run_config
+from mogradient_diffusion.model.policy import (
+    DTYPES,
+    LoraTargetError,
+    ParameterEMA,
+    Policy,
+    PromptEmbeddings,
+    old_decay,
 )
-from mogradient_diffusion.config import ConfigError, TrainingConfig, read_run_config
-from mogradient_diffusion.distributed import World
 from mogradient_diffusion.objectives import (
     Objective,
     RewardView,
@@ -54,22 +53,23 @@ from mogradient_diffusion.objectives import (
     TrainPiece,
     build_objective,
 )
-from mogradient_diffusion.policy import (
-    DTYPES,
-    LoraTargetError,
-    ParameterEMA,
-    Policy,
-    PromptEmbeddings,
-    old_decay,
-)
-from mogradient_diffusion.prompt_setup import build_prompt_sampler
-from mogradient_diffusion.prompts import SampledPrompt
-from mogradient_diffusion.resume import check_resume, write_resume_record
+from mogradient_diffusion.prompts.sources import SampledPrompt
+from mogradient_diffusion.prompts.stream import build_prompt_sampler
 from mogradient_diffusion.rewards import RewardSet, make_reward
 from mogradient_diffusion.rewards.background import BackgroundScoring
-from mogradient_diffusion.runlog import RunLog
-from mogradient_diffusion.step_gradients import StepGradients
-from mogradient_diffusion.strategies import Strategy, build_strategy
+from mogradient_diffusion.runs.checkpoint import (
+    Restored,
+    keep_last,
+    latest_checkpoint,
+    load_newest_intact,
+    save_checkpoint,
+)
+from mogradient_diffusion.runs.metrics_log import RunLog
+from mogradient_diffusion.runs.resume import check_resume, write_resume_record
+from mogradient_diffusion.training import metric_keys as keys
+from mogradient_diffusion.training.distributed import World
+from mogradient_diffusion.training.step_gradients import StepGradients
+from mogradient_diffusion.training.strategies import Strategy, build_strategy
 
 LossStream = Iterator[tuple[float, CombinableLoss]]
 # Each optimizer step's timers, summed per epoch. The conflict probe's extra gradients are
@@ -602,7 +602,7 @@ class Trainer:
     def _model_path(self) -> Path:
         if self.config.model.path is not None:
             return Path(self.config.model.path)
-        from mogradient_diffusion.tiny import save_tiny_pipeline
+        from mogradient_diffusion.model.tiny import save_tiny_pipeline
 
         path = self.run_dir / "tiny_model"
         if self.world.is_main and not (path / "model_index.json").exists():

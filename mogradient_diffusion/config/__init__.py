@@ -1,0 +1,1 @@
+"""A run's configuration: typed sections, YAML loading with overrides, early checks."""

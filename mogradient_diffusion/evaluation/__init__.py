@@ -1,0 +1,1 @@
+"""Evaluation: fixed-seed generation scored by rewards, grids, few-step curves, comparison."""

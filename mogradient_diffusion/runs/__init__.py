@@ -1,0 +1,1 @@
+"""A run's directory: atomic checkpoints, resume rules, the lock, the metrics log and its plots."""

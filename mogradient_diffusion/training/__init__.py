@@ -1,0 +1,1 @@
+"""The training loop and its parts: strategies, advantages, gradient engines, collectives."""
