@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: demo toys mini mini-objectives test fuzz lint bench bench-gpu mtl clean
+.PHONY: demo toys mini mini-objectives test docs fuzz lint bench bench-gpu mtl clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# Debian's Tesseract for the OCR reward (skipped when already on PATH).
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0 -c $(CONSTRAINTS)
-	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,diffusion,mtl]" -c $(CONSTRAINTS)
+	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,diffusion,mtl,docs]" -c $(CONSTRAINTS)
 	touch $(STAMP)
 
 # The main job: MARBLE in miniature, quick mode (base vs weighted sum vs MARBLE).
@@ -37,9 +37,18 @@ mini: $(STAMP)
 mini-objectives: $(STAMP)
 	$(PY) -m benchmarks.mini.benchmark --mode objectives --out benchmarks/results/mini_objectives --work results/mini_work --resume
 
+# ruff, the documentation site with --strict (a broken link or API reference fails here, built
+# into a temporary folder), then the whole test suite.
 test: $(STAMP)
 	$(PY) -m ruff check .
+	tmp=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir "$$tmp"; \
+		status=$$?; rm -rf "$$tmp"; exit $$status
 	$(PY) -m pytest
+
+# The documentation site (mkdocs-material, API reference from the docstrings) -> site/.
+# `$(VENV)/bin/mkdocs serve` previews it while you edit docs/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # The property tests with fresh randomness and many examples (FUZZ_EXAMPLES per test,
 # default 4000: ~20k in all). `make test` replays a fixed, derandomized set instead.
@@ -68,4 +77,4 @@ mtl: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.mtl.run
 
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV) results site
