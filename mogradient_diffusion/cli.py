@@ -340,7 +340,8 @@ def _train(
     from mogradient_diffusion.rewards import RewardError
     from mogradient_diffusion.runs.checkpoint import CorruptCheckpointError
     from mogradient_diffusion.runs.lock import RunDirectoryLocked, RunLock, describe_holder
-    from mogradient_diffusion.training.trainer import NonFiniteError, RunComplete, Trainer
+    from mogradient_diffusion.training.finite import NonFiniteError
+    from mogradient_diffusion.training.trainer import RunComplete, Trainer
 
     world = World.from_environment(config.model.device)
     lock = RunLock(config.run.directory)

@@ -37,12 +37,8 @@ from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.mini.recipe import BASE_MODEL, CONFIG, write_prompt_files
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.training.distributed import World
-from mogradient_diffusion.training.trainer import (
-    Trainer,
-    TrainerCallback,
-    has_signal,
-    skipped_step_record,
-)
+from mogradient_diffusion.training.records import skipped_step_record
+from mogradient_diffusion.training.trainer import Trainer, TrainerCallback, has_signal
 
 # Named ways to cut and draw a step (config overrides on top of the recipe).
 VARIANTS = {

@@ -14,6 +14,10 @@ gradients are averaged with explicit collectives (peft's adapter switching flips
 full-solve steps, ``.grad`` otherwise; weights are solved in float64 on identical data
 and broadcast from rank 0. Benchmarks, probes and experiments plug in through
 ``TrainerCallback`` hooks, never by patching the trainer's methods.
+
+Beside the loop: what it records (``training.records``, ``training.diagnostics``), its
+finiteness guards (``training.finite``), and what a checkpoint holds and how a run
+resumes (``runs.training_state``).
 """
 
 from __future__ import annotations
@@ -31,18 +35,15 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from mogradient import MGDA, conflict_diagnostics, flat_gradient
+from mogradient import conflict_diagnostics, flat_gradient
 from mogradient.combinable import CombinableLoss
 from mogradient.distributed import apply_weights
 from mogradient.gradients import accumulate_gradients
-from mogradient_diffusion.config.loading import ConfigError, TrainingConfig, read_run_config
+from mogradient_diffusion.config.loading import ConfigError, TrainingConfig
 from mogradient_diffusion.model.policy import (
     DTYPES,
     LoraTargetError,
-    ParameterEMA,
     Policy,
-    PromptEmbeddings,
-    old_decay,
 )
 from mogradient_diffusion.objectives import (
     Objective,
@@ -61,13 +62,21 @@ from mogradient_diffusion.runs.checkpoint import (
     Restored,
     keep_last,
     latest_checkpoint,
-    load_newest_intact,
     save_checkpoint,
 )
 from mogradient_diffusion.runs.metrics_log import RunLog
-from mogradient_diffusion.runs.resume import check_resume, write_resume_record
+from mogradient_diffusion.runs.resume import write_resume_record
+from mogradient_diffusion.runs.training_state import TrainingState, saved_run
 from mogradient_diffusion.training import metric_keys as keys
+from mogradient_diffusion.training.diagnostics import probe_record
 from mogradient_diffusion.training.distributed import World
+from mogradient_diffusion.training.ema import ParameterEMA, old_decay
+from mogradient_diffusion.training.finite import DivergenceProbe, NonFiniteError, all_finite
+from mogradient_diffusion.training.records import (
+    epoch_record,
+    progress_summary,
+    skipped_step_record,
+)
 from mogradient_diffusion.training.step_gradients import StepGradients
 from mogradient_diffusion.training.strategies import Strategy, build_strategy
 
@@ -119,10 +128,6 @@ class RunComplete(Exception):
     """The run already has the epochs asked for: there is nothing to train."""
 
 
-class NonFiniteError(RuntimeError):
-    """Training produced non-finite values it cannot skip; nothing of them was saved."""
-
-
 class Trainer:
     """Owns the policy, rewards, strategy and optimizer of one run.
 
@@ -145,7 +150,9 @@ class Trainer:
         self.rewards = build_rewards(config)
         self.reward_names = [r.name for r in config.rewards]
         self.prompt_sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
-        self._restored, self._resume_changes = self._saved_run()
+        self._restored, self._resume_changes = saved_run(
+            self.run_dir, config.to_dict(), self.prompt_sampler, allow_config_change, self._warn
+        )
         if self._restored is not None and self._restored.state["epoch"] >= config.train.epochs:
             raise RunComplete(
                 f"{self.run_dir} is already at epoch {self._restored.state['epoch']} "
@@ -190,7 +197,20 @@ class Trainer:
         self.epoch = 0
         self.optimizer_step = 0
         self._nonfinite_streak = 0  # consecutive skipped optimizer steps
-        self._probe_input: tuple[torch.Tensor, PromptEmbeddings] | None = None
+        self.state = TrainingState(
+            self.policy,
+            self.optimizer,
+            self.ema,
+            self.strategy,
+            self.objective,
+            self.prompt_sampler,
+        )
+        self.divergence_probe = DivergenceProbe(
+            self.policy,
+            prompt=self.prompt_sampler.sources[0].prompts[0],
+            resolution=config.rollout.resolution,
+            max_sequence_length=config.rollout.max_sequence_length,
+        )
 
     # ----------------------------------------------------------------- run
     def run(self) -> Path:
@@ -221,7 +241,7 @@ class Trainer:
                 if log is not None:
                     log.log(self.epoch, record)
                 bar.update(1)
-                bar.set_postfix(_summary(record, self.reward_names))
+                bar.set_postfix(progress_summary(record, self.reward_names))
                 self.epoch += 1
                 last = self.epoch == self.config.train.epochs
                 if last or self.epoch % self.config.run.checkpoint_every == 0:
@@ -283,7 +303,7 @@ class Trainer:
             self.config.train.old_schedule, self.optimizer_step, self.config.train.old_cap
         )
         self.policy.update_old(decay)
-        record = self._epoch_record(rewards, stats, step_records, times, reward_seconds, decay)
+        record = self._epoch_record(stats, step_records, times, reward_seconds, decay)
         for callback in self.callbacks:
             callback.on_epoch_end(self, record)
         return record
@@ -541,35 +561,7 @@ class Trainer:
         stack = self.gradients.stack(replay(), count, apply_extra=False)
         stack = self.world.average(stack)
         direction = flat_gradient(self.parameters).float()
-        diagnostics = conflict_diagnostics(torch.ones(count), jacobian=stack, direction=direction)
-        record = {  # no weight/k: the probe's unit weights only set the round-off tolerance
-            keys.harmonize(k): v
-            for k, v in diagnostics.items()
-            if not isinstance(v, list) and not k.startswith("weight/")
-        }
-        return record | self._staleness(stack, direction)
-
-    def _staleness(self, stack: torch.Tensor, direction: torch.Tensor) -> dict[str, float]:
-        """How far a cached MARBLE step is from what a fresh solve would apply now.
-
-        Only for MGDA (stateless, so solving here does not change the run): cos between
-        the applied update and the fresh direction, and the fresh update's worst cosine.
-        """
-        amortizer = self.strategy.amortizer
-        if self.strategy.scalar_weights is not None or not isinstance(amortizer.harmonizer, MGDA):
-            return {}
-        fresh = amortizer.harmonizer(stack)
-        if fresh.direction is None or not fresh.weights.any():
-            return {}
-        fresh_diagnostics = conflict_diagnostics(fresh.weights, jacobian=stack)
-        cosine = torch.nn.functional.cosine_similarity(
-            direction.double(), fresh.direction.double(), dim=0
-        )
-        return {
-            keys.STEPS_SINCE_SOLVE: float(amortizer.steps_since_solve or 0),
-            keys.COS_TO_FRESH: float(cosine),
-            keys.FRESH_COS_MIN: float(fresh_diagnostics["cos_min"]),
-        }
+        return probe_record(stack, direction, self.strategy)
 
     def _mask_silent_in_step(self, step: list[TrainPiece]) -> tuple[list[TrainPiece], torch.Tensor]:
         """Per step, as per epoch: objectives with no nonzero advantage on any rank sit out.
@@ -610,34 +602,29 @@ class Trainer:
         self.world.barrier()
         return path
 
-    def _epoch_record(self, rewards, stats, step_records, times, reward_seconds, decay):
-        record: dict[str, Any] = dict(times)
+    def _epoch_record(
+        self,
+        stats: dict[str, Any],
+        step_records: list[dict[str, Any]],
+        times: dict[str, float],
+        reward_seconds: dict[str, float],
+        decay: float,
+    ) -> dict[str, Any]:
         all_rewards = stats.pop("all_rewards")
         silent = stats.pop("silent")
-        for index, name in enumerate(self.reward_names):
-            column = all_rewards[:, index]
-            valid = column[~torch.isnan(column)]
-            record[keys.reward_mean(name)] = float(valid.mean()) if len(valid) else float("nan")
-            population_std = float(valid.std(unbiased=False)) if len(valid) else float("nan")
-            record[keys.reward_std(name)] = population_std
-            record[keys.reward_time(name)] = float(reward_seconds.get(name, float("nan")))
-        objectives = self.strategy.objective_names(self.epoch)
-        for key, values in stats.items():
-            for name, value in zip(objectives, values.tolist(), strict=True):
-                record[keys.advantage_stat(name, key)] = value
-        record["old_decay"] = decay
-        record[keys.OPTIMIZER_STEPS] = step_records
-        record["objectives"] = objectives
+        record = epoch_record(
+            self.reward_names,
+            self.strategy.objective_names(self.epoch),
+            all_rewards,
+            reward_seconds,
+            stats,
+            silent,
+            step_records,
+            times,
+            decay,
+        )
         if self.world.size > 1:
             record[keys.PARAMETER_DIVERGENCE] = self.world.divergence(self.parameters)
-        record[keys.OBJECTIVES_WITHOUT_SIGNAL] = [
-            n for n, s in zip(objectives, silent, strict=True) if s
-        ]
-        record[keys.REWARDS_WITHOUT_SIGNAL] = [
-            name
-            for index, name in enumerate(self.reward_names)
-            if torch.isnan(all_rewards[:, index]).all()
-        ]
         for name in record[keys.REWARDS_WITHOUT_SIGNAL]:
             self._warn(
                 f"epoch {self.epoch}: reward {name!r} was NaN (not applicable) for every "
@@ -648,19 +635,8 @@ class Trainer:
         return record
 
     def _check_outputs_finite(self) -> None:
-        """Weights can be finite yet diverged (a huge learning rate or LoRA alpha): one
-        velocity per adapter on a fixed input keeps them out of the checkpoint."""
-        if self._probe_input is None:
-            shape = self.policy.latent_shape(self.config.rollout.resolution)
-            noise = torch.randn(1, *shape, generator=torch.Generator().manual_seed(0))
-            prompt = self.prompt_sampler.sources[0].prompts[0]
-            length = self.config.rollout.max_sequence_length
-            embeds = self.policy.encode_prompts([prompt], max_sequence_length=length)
-            self._probe_input = (noise.to(self.world.device), embeds)
-        noise, embeds = self._probe_input
-        with torch.no_grad():
-            outputs = [self.policy.velocity(noise, 1.0, embeds, a) for a in ("default", "old")]
-        if not all_finite(outputs):
+        """Diverged but finite weights stop the run before they are checkpointed."""
+        if not self.divergence_probe.outputs_finite(self.world.device):
             raise NonFiniteError(
                 f"after epoch {self.epoch} the LoRA weights give non-finite velocities: they "
                 "diverged (is train.learning_rate or lora.alpha far too large?); not "
@@ -676,59 +652,10 @@ class Trainer:
         if not self.world.is_main:
             self.world.barrier()
             return
-        state = {
-            "epoch": self.epoch,
-            "optimizer_step": self.optimizer_step,
-            "default": self.policy.lora_state("default"),
-            "old": self.policy.lora_state("old"),
-            "optimizer": self.optimizer.state_dict(),
-            "ema": self.ema.state_dict(),
-            "strategy": self.strategy.state_dict(),
-            "objective": self.objective.state_dict(),
-            "sampler": self.prompt_sampler.state_dict(),
-            "config": self.config.to_dict(),
-        }
+        state = self.state.to_checkpoint(self.epoch, self.optimizer_step, self.config.to_dict())
         save_checkpoint(self.run_dir, self.epoch, state)
         keep_last(self.run_dir, self.config.run.keep_checkpoints)
         self.world.barrier()
-
-    def _saved_run(self) -> tuple[Restored | None, dict[str, tuple] | None]:
-        """The newest intact checkpoint and the config changes resuming it applies (None
-        for a new run), checked before any model loads. A run directory whose config.yaml
-        has no checkpoint yet is checked too."""
-        restored = load_newest_intact(self.run_dir, _check_finite_state, weights_only=False)
-        current = self.config.to_dict()
-        if restored is not None:
-            saved = restored.state["config"]
-        elif (self.run_dir / "config.yaml").exists():
-            saved = read_run_config(self.run_dir / "config.yaml")
-        else:
-            return None, None
-        changes = check_resume(saved, current, self.run_dir, self.allow_config_change)
-        if restored is not None:
-            self._check_prompts(restored.state["sampler"])
-        return restored, changes
-
-    def _check_prompts(self, saved: dict[str, Any]) -> None:
-        """The prompt files must be those the run was saved with: another line count is
-        refused (the saved position means nothing there), edited text needs the flag."""
-        try:
-            self.prompt_sampler.check_state(saved)
-        except ValueError as error:
-            raise ConfigError(
-                f"{self.run_dir}: the prompt files changed since the run was saved ({error}); "
-                "restore them, or use a new run.directory"
-            ) from None
-        edited = self.prompt_sampler.edited_sources(saved)
-        if edited and not self.allow_config_change:
-            raise ConfigError(
-                f"{self.run_dir}: the text of prompt source(s) {edited} changed since the run "
-                "was saved (same number of prompts); restore the files, pass "
-                "--allow-config-change to train on the new text from here on, or use a new "
-                "run.directory"
-            )
-        for name in edited:
-            self._warn(f"prompt source {name!r} was edited since the run was saved")
 
     def _restore(self, restored: Restored) -> None:
         """Continue from a checkpoint; the optimizer and EMA take the config's settings."""
@@ -736,22 +663,7 @@ class Trainer:
             self._warn(f"checkpoint passed over: {reason}")
         if restored.passed_over:
             self._warn(f"resuming from {restored.path}")
-        state = restored.state
-        self.policy.load_lora_state("default", state["default"])
-        self.policy.load_lora_state("old", state["old"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        train = self.config.train
-        for group in self.optimizer.param_groups:  # the saved state carries the old ones
-            group.update(
-                lr=train.learning_rate, betas=train.adam_betas, weight_decay=train.weight_decay
-            )
-        self.ema.load_state_dict(state["ema"])
-        self.ema.decay = train.ema_decay
-        self.strategy.load_state_dict(state["strategy"])
-        self.objective.load_state_dict(state.get("objective", {}))  # none saved before 12
-        self.prompt_sampler.load_state_dict(state["sampler"])
-        self.epoch = int(state["epoch"])
-        self.optimizer_step = int(state["optimizer_step"])
+        self.epoch, self.optimizer_step = self.state.restore(restored.state, self.config.train)
         epochs = self.world.all_gather_rows(torch.tensor([self.epoch], device=self.world.device))
         if (epochs != self.epoch).any():
             raise RuntimeError(
@@ -782,40 +694,6 @@ def build_rewards(config: TrainingConfig) -> RewardSet:
         except Exception as error:
             raise ConfigError(f"reward {reward.name!r} could not be built: {error}") from error
     return RewardSet(rewards)
-
-
-def skipped_step_record(reason: str, count: int) -> dict[str, Any]:
-    """The record of an optimizer step that applied nothing (``count`` objectives)."""
-    idle = dict.fromkeys(keys.STEP_TIMERS, 0.0)
-    return idle | {keys.SKIPPED: reason, keys.SOLVED: 0, keys.WEIGHTS: [0.0] * count}
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every entry of every tensor is finite (one device sync)."""
-    return bool(torch.stack([t.detach().isfinite().all() for t in tensors]).all())
-
-
-def _check_finite_state(state: dict[str, Any]) -> None:
-    """Reject a checkpoint holding non-finite LoRA or EMA weights (a poisoned run)."""
-    tensors = [*state["default"].values(), *state["old"].values(), *state["ema"]["shadow"]]
-    if not all_finite(tensors):
-        raise ValueError("it holds non-finite LoRA or EMA weights")
-
-
-def _summary(record: dict[str, Any], reward_names: list[str]) -> dict[str, str]:
-    """The progress bar's fields: each reward's mean, and with one objective per reward
-    the weight its gradient got in the epoch's last step (on the raw gradients)."""
-    summary = {name: f"{_number(record.get(f'reward/{name}/mean')):.3g}" for name in reward_names}
-    steps = record.get(keys.OPTIMIZER_STEPS) or [{}]
-    weights = steps[-1].get(keys.WEIGHTS) or []
-    if len(weights) == len(reward_names):
-        for name, weight in zip(reward_names, weights, strict=True):
-            summary[name] += f" (weight {weight:.2g})"
-    return summary
-
-
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) else float("nan")
 
 
 def has_signal(advantages: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ import torch
 from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.training.distributed import World
-from mogradient_diffusion.training.trainer import Trainer, TrainerCallback, skipped_step_record
+from mogradient_diffusion.training.records import skipped_step_record
+from mogradient_diffusion.training.trainer import Trainer, TrainerCallback
 
 
 class Recorder(TrainerCallback):

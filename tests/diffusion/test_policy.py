@@ -13,11 +13,10 @@ from tolerances import chain_atol
 from mogradient_diffusion.model.policy import (
     LORA_TARGETS,
     LoraSpec,
-    ParameterEMA,
     Policy,
     PromptEmbeddings,
-    old_decay,
 )
+from mogradient_diffusion.training.ema import ParameterEMA, old_decay
 
 SPEC = LoraSpec(rank=4, alpha=8)
 PROMPTS = ["a red cat", 'a sign saying "hello"']

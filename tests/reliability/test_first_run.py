@@ -10,7 +10,7 @@ import sys
 from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.prompts.stream import BUILT_IN_SOURCES
 from mogradient_diffusion.rewards import colors_in_prompt
-from mogradient_diffusion.training.trainer import _summary
+from mogradient_diffusion.training.records import progress_summary
 
 
 def test_every_built_in_prompt_names_a_colour_for_the_tiny_presets_color_match() -> None:
@@ -26,7 +26,7 @@ def test_the_progress_bar_puts_each_weight_beside_its_reward() -> None:
         "reward/jpeg/mean": 3.72,
         "optimizer_steps": [{"weights": [0.0, 1.0]}, {"weights": [1.1, 0.32]}],
     }
-    assert _summary(record, ["color_match", "jpeg"]) == {
+    assert progress_summary(record, ["color_match", "jpeg"]) == {
         "color_match": "0.188 (weight 1.1)",
         "jpeg": "3.72 (weight 0.32)",
     }
@@ -34,7 +34,7 @@ def test_the_progress_bar_puts_each_weight_beside_its_reward() -> None:
 
 def test_a_single_objective_shows_no_weight() -> None:
     record = {"reward/a/mean": 1.0, "reward/b/mean": 2.0, "optimizer_steps": [{"weights": [1]}]}
-    assert _summary(record, ["a", "b"]) == {"a": "1", "b": "2"}
+    assert progress_summary(record, ["a", "b"]) == {"a": "1", "b": "2"}
 
 
 def test_importing_the_sd3_pipeline_prints_no_torchvision_notice() -> None:

@@ -19,7 +19,8 @@ from mogradient_diffusion.runs.checkpoint import (
 )
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.training.distributed import World
-from mogradient_diffusion.training.trainer import NonFiniteError, Trainer
+from mogradient_diffusion.training.finite import NonFiniteError
+from mogradient_diffusion.training.trainer import Trainer
 
 from .conftest import train_arguments
 
