@@ -39,6 +39,7 @@ from typing import Any
 from common import machine_info, machine_markdown, markdown_table, write_results
 
 from mogradient_diffusion.config.loading import load_config
+from mogradient_diffusion.training import metric_keys as keys
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.trainer import Trainer, TrainerCallback
 
@@ -131,7 +132,7 @@ class TrainingStats(TrainerCallback):
     def on_step_end(self, trainer: Trainer, step: list, record: dict[str, Any]) -> None:
         timing = self.step_clock.stop()
         self.stats["steps"].append(
-            {"epoch": trainer.epoch, "solved": int(record["solved"]), **timing}
+            {"epoch": trainer.epoch, "solved": int(record[keys.SOLVED]), **timing}
         )
 
 
@@ -205,20 +206,12 @@ def _slim(record: dict[str, Any]) -> dict[str, Any]:
     keep = {
         key: value
         for key, value in record.items()
-        if key in ("step", "objectives_without_signal") or key.startswith("time/")
+        if key in (keys.STEP, keys.OBJECTIVES_WITHOUT_SIGNAL) or key.startswith(keys.TIMING_PREFIX)
     }
-    keep["optimizer_steps"] = [
-        {
-            key: step.get(key)
-            for key in (
-                "solved",
-                "fallback",
-                "time/backward",
-                "time/harmonize",
-                "time/optimizer",
-            )
-        }
-        for step in record["optimizer_steps"]
+    step_keys = (keys.SOLVED, keys.FALLBACK, keys.BACKWARD_TIME, keys.HARMONIZE_TIME)
+    keep[keys.OPTIMIZER_STEPS] = [
+        {key: step.get(key) for key in (*step_keys, keys.OPTIMIZER_TIME)}
+        for step in record[keys.OPTIMIZER_STEPS]
     ]
     return keep
 
@@ -228,16 +221,16 @@ PHASES = ("rollout", "reward", "backward", "harmonize", "optimizer", "batching")
 
 def epoch_phases(record: dict[str, Any]) -> dict[str, float]:
     """One epoch's seconds by phase; ``train_phase`` = all optimizer steps of the epoch."""
-    if "time/backward" in record:  # time/train spans the whole training phase
-        train_phase = record["time/train"]
-        backward, optimizer = record["time/backward"], record["time/optimizer"]
+    if keys.BACKWARD_TIME in record:  # time/train spans the whole training phase
+        train_phase = record[keys.TRAIN_TIME]
+        backward, optimizer = record[keys.BACKWARD_TIME], record[keys.OPTIMIZER_TIME]
     else:  # older trainer: time/train excluded time/harmonize and had no finer split
-        train_phase = record["time/train"] + record["time/harmonize"]
-        backward, optimizer = record["time/train"], 0.0
-    harmonize = record["time/harmonize"]
+        train_phase = record[keys.TRAIN_TIME] + record[keys.HARMONIZE_TIME]
+        backward, optimizer = record[keys.TRAIN_TIME], 0.0
+    harmonize = record[keys.HARMONIZE_TIME]
     return {
-        "rollout": record["time/rollout"],
-        "reward": record["time/reward"],
+        "rollout": record[keys.ROLLOUT_TIME],
+        "reward": record[keys.REWARD_TIME],
         "backward": backward,
         "harmonize": harmonize,
         "optimizer": optimizer,
@@ -248,8 +241,8 @@ def epoch_phases(record: dict[str, Any]) -> dict[str, float]:
 
 def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
     """Per-run sums over the measured epochs (epoch >= WARMUP_EPOCHS)."""
-    measured = [m for m in run["metrics"] if m["step"] >= WARMUP_EPOCHS]
-    steps = [s for m in measured for s in m["optimizer_steps"]]
+    measured = [m for m in run["metrics"] if m[keys.STEP] >= WARMUP_EPOCHS]
+    steps = [s for m in measured for s in m[keys.OPTIMIZER_STEPS]]
     phases = [epoch_phases(m) for m in measured]
     component = {key: sum(p[key] for p in phases) for key in PHASES}
     stats = run["stats"]
@@ -258,10 +251,10 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
     return {
         "epochs": len(measured),
         "steps": len(steps),
-        "solved": sum(int(s["solved"]) for s in steps),
-        "fallbacks": sum(1 for s in steps if s["fallback"]),
+        "solved": sum(int(s[keys.SOLVED]) for s in steps),
+        "fallbacks": sum(1 for s in steps if s[keys.FALLBACK]),
         "silent_objectives_per_epoch": statistics.mean(
-            len(m["objectives_without_signal"]) for m in measured
+            len(m[keys.OBJECTIVES_WITHOUT_SIGNAL]) for m in measured
         ),
         "component_s": component,
         "train_phase_s": sum(p["train_phase"] for p in phases),
@@ -269,7 +262,7 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         # its median time is this run's machine-speed reference.
         "rollout_median_s": statistics.median(p["rollout"] for p in phases),
         "reward_seconds": {
-            name: sum(m.get(f"time/reward/{name}") or 0.0 for m in measured) for name in REWARDS
+            name: sum(m.get(keys.reward_time(name)) or 0.0 for m in measured) for name in REWARDS
         },
         "epoch_wall_s": [e["wall_s"] for e in wrapper_epochs],
         "epoch_cpu_s": [e["cpu_s"] for e in wrapper_epochs],
@@ -888,9 +881,9 @@ def rerender(path: Path) -> int:
         run.pop("summary", None)
         for record in run["metrics"]:
             record.pop("objectives", None)
-        for step_records in (m["optimizer_steps"] for m in run["metrics"]):
+        for step_records in (m[keys.OPTIMIZER_STEPS] for m in run["metrics"]):
             for record in step_records:
-                record.pop("weights", None)
+                record.pop(keys.WEIGHTS, None)
     payload["runs"] = _compact(payload["runs"])
     for run in sorted(payload["runs"], key=lambda item: item["round"]):
         runs[run["strategy"]].append(summarize_run(run))

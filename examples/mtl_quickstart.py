@@ -2,7 +2,7 @@
 
     python examples/mtl_quickstart.py [--steps 200]
 
-The lines between the ``snippet`` markers are the README's example, verbatim (a test
+The lines between the ``snippet`` markers are the example of docs/mtl.md, verbatim (a test
 checks that they match and that this file trains). Everything around them is the usual
 model, data and optimizer set-up of a multi-task script.
 """

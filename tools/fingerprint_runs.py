@@ -20,6 +20,7 @@ from typing import Any
 
 from mogradient_diffusion.cli import main as cli
 from mogradient_diffusion.runs.metrics_log import read_metrics
+from mogradient_diffusion.training import metric_keys as keys
 
 STEP_OBJECTIVE = ["rollout.sampler=sde", "train.old_schedule=copy"]
 RUNS: dict[str, list[str]] = {
@@ -29,7 +30,7 @@ RUNS: dict[str, list[str]] = {
     "flow_grpo": ["objective.name=flow_grpo", *STEP_OBJECTIVE],
     "sdpo": ["objective.name=sdpo", *STEP_OBJECTIVE],
 }
-UNTIMED = ("time/", "memory/")
+UNTIMED = (keys.TIMING_PREFIX, "memory/")
 
 
 def fingerprint(work: Path) -> dict[str, list[dict[str, Any]]]:

@@ -48,6 +48,7 @@ from benchmarks.mini.benchmark import EVAL_STEPS, NOISE, own_prompts_override, s
 from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH
 from mogradient_diffusion.mini.recipe import BASE_MODEL, CONFIG, TRAIN_REWARDS, write_prompt_files
 from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
+from mogradient_diffusion.training import metric_keys as keys
 
 HELD_OUT_OF = {  # the held-out metrics each training reward stands in for
     "mini_count": ("mini_count_strict",),
@@ -292,7 +293,7 @@ def _per_prompt_scores(eval_dir: Path, metrics: list[str]) -> np.ndarray:
 
 def _curve(run_dir: Path, reward: str) -> list[float]:
     """The trained reward's mean per epoch on the training rollouts (``metrics.jsonl``)."""
-    key = f"reward/{reward}/mean"
+    key = keys.reward_mean(reward)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [round(float(r[key]), 4) for r in map(json.loads, lines) if key in r]
 

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mogradient_diffusion.training import metric_keys as keys
+
 
 class RunLog:
     """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
@@ -28,7 +30,7 @@ class RunLog:
         )
 
     def log(self, step: int, record: dict[str, Any]) -> None:
-        record = {"step": step, **record}
+        record = {keys.STEP: step, **record}
         try:
             with self.path.open("a") as handle:
                 handle.write(json.dumps(_jsonable(record)) + "\n")
@@ -36,7 +38,7 @@ class RunLog:
             raise OSError(error.errno, error.strerror, str(self.path)) from error
         for key, value in record.items():
             numeric = isinstance(value, int | float) and not isinstance(value, bool)
-            if numeric and math.isfinite(value) and key != "step":
+            if numeric and math.isfinite(value) and key != keys.STEP:
                 self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
@@ -64,7 +66,7 @@ class RunLog:
 def _step_of(line: str) -> int | None:
     """The step of a JSONL line, None for a blank or torn line (a crash mid-write)."""
     try:
-        return int(json.loads(line)["step"])
+        return int(json.loads(line)[keys.STEP])
     except (ValueError, KeyError, TypeError):
         return None
 

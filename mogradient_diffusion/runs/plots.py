@@ -75,7 +75,7 @@ def _reward_names(records: list[dict[str, Any]]) -> list[str]:
 def _plot_rewards(records: list[dict[str, Any]], names: list[str], path: Path) -> Path:
     """Each reward's mean (and ±1 std band) per epoch, in its own panel: rewards live on
     different scales."""
-    epochs = [_number(record.get("step", index)) for index, record in enumerate(records)]
+    epochs = [_number(record.get(keys.STEP, index)) for index, record in enumerate(records)]
     return plot_metric_panels(
         {name: [_number(r.get(keys.reward_mean(name))) for r in records] for name in names},
         path,

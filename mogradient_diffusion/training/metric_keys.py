@@ -8,12 +8,16 @@ per optimizer step with the step-level names.
 from __future__ import annotations
 
 # ---------------------------------------------------------------- per epoch
+STEP = "step"  # the epoch index, written by the run log
 OPTIMIZER_STEPS = "optimizer_steps"
 ROLLOUT_TIME = "time/rollout"
 REWARD_TIME = "time/reward"
 TRAIN_TIME = "time/train"
+TIMING_PREFIX = "time/"  # every wall-clock entry starts with it
 PEAK_MEMORY = "memory/peak_gib"
 PARAMETER_DIVERGENCE = "ddp/parameter_divergence"
+OBJECTIVES = "objectives"
+OLD_DECAY = "old_decay"
 OBJECTIVES_WITHOUT_SIGNAL = "objectives_without_signal"
 REWARDS_WITHOUT_SIGNAL = "rewards_without_signal"
 
@@ -46,6 +50,7 @@ WEIGHTS = "weights"
 FALLBACK = "fallback"
 SKIPPED = "skipped"
 ENGINE = "engine"
+GRAD_NORM = "grad_norm"
 BACKWARD_TIME = "time/backward"
 HARMONIZE_TIME = "time/harmonize"
 PROBE_TIME = "time/probe"

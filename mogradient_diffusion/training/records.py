@@ -34,9 +34,9 @@ def epoch_record(
     for key, values in advantage_stats.items():
         for name, value in zip(objectives, values.tolist(), strict=True):
             record[keys.advantage_stat(name, key)] = value
-    record["old_decay"] = decay
+    record[keys.OLD_DECAY] = decay
     record[keys.OPTIMIZER_STEPS] = step_records
-    record["objectives"] = objectives
+    record[keys.OBJECTIVES] = objectives
     record[keys.OBJECTIVES_WITHOUT_SIGNAL] = [
         n for n, s in zip(objectives, silent, strict=True) if s
     ]

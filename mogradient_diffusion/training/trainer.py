@@ -471,7 +471,9 @@ class Trainer:
             {keys.harmonize(k): v for k, v in diagnostics.items() if not isinstance(v, list)}
         )
         record[keys.HARMONIZE_TIME] = time.perf_counter() - started
-        record.update(solved=1, fallback=solved.fallback, engine=self.gradients.name)
+        record.update(
+            {keys.SOLVED: 1, keys.FALLBACK: solved.fallback, keys.ENGINE: self.gradients.name}
+        )
         return weights, record
 
     def _check_engine(
@@ -504,15 +506,15 @@ class Trainer:
         started = time.perf_counter()
         self.world.average_gradients(self.parameters)
         record[keys.HARMONIZE_TIME] = time.perf_counter() - started
-        record.update(solved=0, fallback=cached.fallback)
+        record.update({keys.SOLVED: 0, keys.FALLBACK: cached.fallback})
         return weights, record
 
     def _apply_step(self, record: dict[str, Any]) -> None:
         """Clip, step (or skip a non-finite gradient), refuse non-finite weights."""
-        record["grad_norm"] = float(
+        record[keys.GRAD_NORM] = float(
             torch.nn.utils.clip_grad_norm_(self.parameters, self.config.train.grad_clip)
         )
-        if math.isfinite(record["grad_norm"]):
+        if math.isfinite(record[keys.GRAD_NORM]):
             self.optimizer.step()
             self.ema.update()
             self._nonfinite_streak = 0
