@@ -42,7 +42,7 @@ from typing import Any
 
 from common import machine_info, machine_markdown, markdown_table, publish
 
-from mogradient_diffusion.training import metric_keys as keys
+from mogradient_diffusion.runs import metric_keys as keys
 
 NAME = "engine_cost"
 ROOT = Path(__file__).resolve().parents[1]

@@ -73,9 +73,9 @@ from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.objectives.nft import NFTRollout
 from mogradient_diffusion.rewards import Reward, register_reward
 from mogradient_diffusion.rewards.base import Metadata
+from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.sampling.rollout import rollout
 from mogradient_diffusion.sampling.schedule import sampler_sigmas
-from mogradient_diffusion.training import metric_keys as keys
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.step_gradients import StepGradients
 from mogradient_diffusion.training.strategies import Strategy, build_strategy

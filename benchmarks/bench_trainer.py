@@ -39,7 +39,7 @@ from typing import Any
 from common import machine_info, machine_markdown, markdown_table, write_results
 
 from mogradient_diffusion.config.loading import load_config
-from mogradient_diffusion.training import metric_keys as keys
+from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.trainer import Trainer, TrainerCallback
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from mogradient_diffusion.cli import main as cli
+from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.runs.metrics_log import read_metrics
-from mogradient_diffusion.training import metric_keys as keys
 
 STEP_OBJECTIVE = ["rollout.sampler=sde", "train.old_schedule=copy"]
 RUNS: dict[str, list[str]] = {

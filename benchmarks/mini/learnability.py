@@ -48,7 +48,7 @@ from benchmarks.mini.benchmark import EVAL_STEPS, NOISE, own_prompts_override, s
 from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH
 from mogradient_diffusion.mini.recipe import BASE_MODEL, CONFIG, TRAIN_REWARDS, write_prompt_files
 from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
-from mogradient_diffusion.training import metric_keys as keys
+from mogradient_diffusion.runs import metric_keys as keys
 
 HELD_OUT_OF = {  # the held-out metrics each training reward stands in for
     "mini_count": ("mini_count_strict",),

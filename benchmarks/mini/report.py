@@ -23,8 +23,8 @@ import yaml
 from benchmarks.mini.runs import RunResult
 from mogradient_diffusion.evaluation.compare import metric_value, ranked_table
 from mogradient_diffusion.mini.recipe import HELD_OUT, TRAIN_REWARDS
+from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.runs.metrics_log import read_metrics
-from mogradient_diffusion.training import metric_keys as keys
 
 NFT_REFERENCE_ROWS = ("weighted_sum", "marble")  # repeated in the objectives table
 

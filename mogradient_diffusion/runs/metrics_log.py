@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mogradient_diffusion.training import metric_keys as keys
+from mogradient_diffusion.runs import metric_keys as keys
 
 
 class RunLog:

@@ -14,8 +14,8 @@ from mogradient.plotting import (
     plot_metric_panels,
     plot_weight_trajectories,
 )
+from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.runs.metrics_log import read_metrics
-from mogradient_diffusion.training import metric_keys as keys
 
 PLOTS = "plots"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mogradient import MGDA, conflict_diagnostics
-from mogradient_diffusion.training import metric_keys as keys
+from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.training.strategies import Strategy
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mogradient_diffusion.training import metric_keys as keys
+from mogradient_diffusion.runs import metric_keys as keys
 
 
 def epoch_record(

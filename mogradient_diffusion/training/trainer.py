@@ -17,7 +17,7 @@ and broadcast from rank 0. Benchmarks, probes and experiments plug in through
 
 Beside the loop: what it records (``training.records``, ``training.diagnostics``), its
 finiteness guards (``training.finite``), and what a checkpoint holds and how a run
-resumes (``runs.training_state``).
+resumes (``training.state``).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from mogradient_diffusion.prompts.sources import SampledPrompt
 from mogradient_diffusion.prompts.stream import build_prompt_sampler
 from mogradient_diffusion.rewards import RewardSet, make_reward
 from mogradient_diffusion.rewards.background import BackgroundScoring
+from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.runs.checkpoint import (
     Restored,
     keep_last,
@@ -66,8 +67,6 @@ from mogradient_diffusion.runs.checkpoint import (
 )
 from mogradient_diffusion.runs.metrics_log import RunLog
 from mogradient_diffusion.runs.resume import write_resume_record
-from mogradient_diffusion.runs.training_state import TrainingState, saved_run
-from mogradient_diffusion.training import metric_keys as keys
 from mogradient_diffusion.training.diagnostics import probe_record
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.ema import ParameterEMA, old_decay
@@ -77,6 +76,7 @@ from mogradient_diffusion.training.records import (
     progress_summary,
     skipped_step_record,
 )
+from mogradient_diffusion.training.state import TrainingState, saved_run
 from mogradient_diffusion.training.step_gradients import StepGradients
 from mogradient_diffusion.training.strategies import Strategy, build_strategy
 

@@ -1,4 +1,4 @@
-"""What a checkpoint holds of a run in training, and how a resumed run is put back.
+"""What a checkpoint holds of a trainer, and how a resumed run is put back.
 
 Everything stateful is saved: both adapters, the optimizer, the EMA, the strategy (cached
 weights), the objective (an advantage tracker) and the prompt stream, with the config.
