@@ -80,6 +80,25 @@ def test_problems_are_deterministic_and_their_targets_are_what_they_claim() -> N
     assert all(int(target.max()) <= 9 for target in pair.train.targets)
 
 
+def test_many_tasks_targets_follow_from_the_two_digits() -> None:
+    problem = data.many_tasks((64, 16, 16), seed=1)
+    assert len(problem.tasks) == len(problem.test.targets) == 12
+    upper, lower, *rest = problem.test.targets
+    upper_parity, lower_parity, upper_high, lower_high, greater, same, total, product = rest[:8]
+    assert torch.equal(upper_parity, (upper % 2).float())
+    assert torch.equal(lower_parity, (lower % 2).float())
+    assert torch.equal(upper_high, (upper >= 5).float())
+    assert torch.equal(lower_high, (lower >= 5).float())
+    assert torch.equal(greater, (upper > lower).float())
+    assert torch.equal(same, (upper_parity == lower_parity).float())
+    assert torch.equal(total, (upper + lower).float())
+    assert torch.equal(product, (upper * lower).float() / 81.0)
+    # The pair shares multi_digits' construction: the same seed draws the same canvases.
+    pair = data.multi_digits((64, 16, 16), seed=1)
+    assert torch.equal(pair.test.images, problem.test.images)
+    assert torch.equal(pair.test.targets[0], upper)
+
+
 @pytest.mark.parametrize("label", ["RLW", "UPGrad", "TorchJD UPGrad", "LibMTL PCGrad"])
 def test_training_is_deterministic(label: str) -> None:
     spec = METHODS[label]

@@ -1,4 +1,4 @@
-"""Two multi-task problems built from scikit-learn's bundled 8x8 digits (nothing downloaded).
+"""Three multi-task problems built from scikit-learn's bundled 8x8 digits (nothing downloaded).
 
 The 1797 digits are split once (a fixed permutation) into train/validation/test pools
 before any composite is made, so no digit image appears in two splits. Everything is
@@ -124,4 +124,57 @@ def scaled_tasks(sizes: tuple[int, int, int], seed: int = 0) -> Problem:
     return Problem("scaled-tasks", SCALE_TASKS, *splits)
 
 
-PROBLEMS = {"multi-digits": multi_digits, "scaled-tasks": scaled_tasks}
+MANY_TASKS = (
+    Task("upper-left digit", "ce", 10, "accuracy", True),
+    Task("lower-right digit", "ce", 10, "accuracy", True),
+    Task("upper-left parity", "bce", 1, "accuracy", True),
+    Task("lower-right parity", "bce", 1, "accuracy", True),
+    Task("upper-left >= 5", "bce", 1, "accuracy", True),
+    Task("lower-right >= 5", "bce", 1, "accuracy", True),
+    Task("upper-left > lower-right", "bce", 1, "accuracy", True),
+    Task("same parity", "bce", 1, "accuracy", True),
+    Task("digit sum", "mse", 1, "MAE", False),
+    Task("digit product / 81", "mse", 1, "MAE", False),
+    Task("upper-left ink", "mse", 1, "MAE", False),
+    Task("lower-right ink / 1000", "mse", 1, "MAE", False),
+)
+
+
+def many_tasks(sizes: tuple[int, int, int], seed: int = 0) -> Problem:
+    """Twelve tasks on the two overlapping digits of ``multi_digits``, for a 64-wide trunk.
+
+    Easy and hard (parity vs comparing the two digits, or the XOR of their parities),
+    one digit or both, and losses from ~0.01 (product / 81, ink / 1000) through ~1
+    (cross-entropy, BCE) and ~1e2 (digit sum) to ~1e5 (ink in raw units) at the start:
+    many objectives competing for little capacity at scales four orders of magnitude
+    apart, where how a method weighs them should show beyond seed noise.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    splits = []
+    for (images, labels), count in zip(_digit_pools(), sizes, strict=True):
+        first = torch.randint(len(labels), (count,), generator=generator)
+        second = torch.randint(len(labels), (count,), generator=generator)
+        canvas = torch.zeros(count, CANVAS, CANVAS)
+        _paste(canvas, images[first], *_offsets(count, 0, 2, generator))
+        _paste(canvas, images[second], *_offsets(count, 4, 6, generator))
+        upper, lower = labels[first], labels[second]
+        ink = images.sum(dim=(1, 2)) * INK_SCALE
+        targets = (
+            upper,
+            lower,
+            (upper % 2).float(),
+            (lower % 2).float(),
+            (upper >= 5).float(),
+            (lower >= 5).float(),
+            (upper > lower).float(),
+            (upper % 2 == lower % 2).float(),
+            (upper + lower).float(),
+            (upper * lower).float() / 81.0,
+            ink[first],
+            ink[second] / 1000.0,
+        )
+        splits.append(Split(canvas.unsqueeze(1), targets))
+    return Problem("many-tasks", MANY_TASKS, *splits)
+
+
+PROBLEMS = {"multi-digits": multi_digits, "scaled-tasks": scaled_tasks, "many-tasks": many_tasks}
