@@ -55,6 +55,13 @@ class Amortizer:
             raise ValueError(f"period must be >= 1 (1 = solve every step), got {period}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if not harmonizer.direction_is_weighted_sum:
+            raise ValueError(
+                f"{type(harmonizer).__name__} computes its direction coordinate by coordinate, "
+                "not as a weighted sum of the gradients: cached weights cannot reproduce it. "
+                "Amortize a harmonizer whose direction is sum_k w_k g_k (e.g. MGDA, UPGrad), "
+                "or call this one on the full gradient stack every step."
+            )
         self.harmonizer = harmonizer
         self.period = int(period)
         self.warmup_steps = int(warmup_steps)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -63,6 +63,12 @@ class Harmonization:
 
 class Harmonizer(ABC):
     """Base class: validate, drop unusable objectives, delegate to :meth:`weigh`."""
+
+    # Whether the direction is exactly sum_k w_k g_k of the reported weights. Methods that
+    # work coordinate by coordinate (TrimmedMean, GradDrop) set it to False: their weights
+    # only approximate the direction, so weights cached or re-applied elsewhere (the
+    # Amortizer) would not reproduce it.
+    direction_is_weighted_sum: ClassVar[bool] = True
 
     def __call__(
         self, jacobian: torch.Tensor | None = None, *, gram: torch.Tensor | None = None
