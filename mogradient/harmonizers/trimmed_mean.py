@@ -1,0 +1,42 @@
+"""Coordinate-wise trimmed mean: the mean of each coordinate without its extreme values."""
+
+from __future__ import annotations
+
+import torch
+
+from mogradient.harmonizers._coordinatewise import SPAN_COLUMNS, CoordinatewiseHarmonizer
+
+
+class TrimmedMean(CoordinatewiseHarmonizer):
+    """Coordinate-wise trimmed mean (Yin et al. 2018, Byzantine-Robust Distributed Learning).
+
+    Definition 2 (option II of Algorithm 1): in every coordinate the ``trim_number``
+    largest and smallest of the K values are removed and the other K - 2b averaged.
+    Each coordinate of the update lies between the (b+1)-th smallest and (b+1)-th
+    largest of the gradients' values there, so b gradients cannot move it outside the
+    others' range; it is no weighted sum of the gradients and gives no guarantee against
+    conflict. Needs the stack and K' >= 2b + 1 usable gradients (zero or non-finite
+    ones are left out, as by every harmonizer). The values are averaged in float64 and
+    rounded once to the stack's dtype. The weights are least-squares stand-ins
+    (:mod:`mogradient.harmonizers._coordinatewise`).
+    """
+
+    def __init__(self, trim_number: int = 1) -> None:
+        if int(trim_number) != trim_number or trim_number < 0:
+            raise ValueError(f"trim_number must be a non-negative integer, got {trim_number}")
+        self.trim_number = int(trim_number)
+
+    def direction_of(self, rows: torch.Tensor, objectives: torch.Tensor) -> torch.Tensor:
+        count = len(rows)
+        kept = count - 2 * self.trim_number
+        if kept < 1:
+            raise ValueError(
+                f"TrimmedMean(trim_number={self.trim_number}) needs at least "
+                f"{2 * self.trim_number + 1} usable gradients, got {count}"
+            )
+        direction = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
+        for start in range(0, rows.shape[1], SPAN_COLUMNS):
+            ordered = torch.sort(rows[:, start : start + SPAN_COLUMNS], dim=0).values
+            middle = ordered[self.trim_number : self.trim_number + kept].to(torch.float64)
+            direction[start : start + SPAN_COLUMNS] = middle.mean(dim=0)
+        return direction
