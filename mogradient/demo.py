@@ -32,7 +32,11 @@ PROBLEMS: dict[str, Callable[[], ToyProblem]] = {
     "cagrad_toy": cagrad_toy,
     "triangle_quadratics": triangle_quadratics,
 }
-SKIPPED = {"fixed": "with its default equal weights it is 'mean' up to scale"}
+SKIPPED = {
+    "fixed": "with its default equal weights it is 'mean' up to scale",
+    "krum": "it needs at least 3 objectives; both toys have 2",
+    "trimmedmean": "it needs at least 3 objectives; both toys have 2",
+}
 # The papers run Adam at lr 1e-3 for 35000 (Nash-MTL) or 100000 (CAGrad) steps: about an
 # hour for all methods here. The default keeps CAGrad's path budget (lr x steps = 100)
 # in 500 larger steps, so the demo takes about a minute on 2 cores.

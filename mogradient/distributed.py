@@ -88,9 +88,18 @@ def apply_harmonized(
     """Harmonize a rank-averaged stack and write the direction into ``.grad``.
 
     The stack is identical on all ranks, so the float64 solve is too; the weights are
-    then broadcast and applied as in :func:`apply_weights`.
+    then broadcast and applied as in :func:`apply_weights`. A method whose direction is
+    not a weighted sum (TrimmedMean, GradDrop) has rank ``broadcast_from``'s direction
+    broadcast and written instead.
     """
     harmonization = harmonizer(jacobian)
+    if not harmonizer.direction_is_weighted_sum:
+        direction = harmonization.direction
+        if broadcast_from is not None and dist.is_initialized():
+            direction = direction.clone()
+            dist.broadcast(direction, src=broadcast_from)
+        write_gradient(parameters, direction, accumulate=accumulate)
+        return dataclasses.replace(harmonization, direction=direction)
     weights, direction = apply_weights(
         parameters, jacobian, harmonization.weights, broadcast_from, accumulate
     )

@@ -12,7 +12,13 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mogradient import MGDA, CombinableLoss, combinable_gradients, objective_gradients
+from mogradient import (
+    MGDA,
+    CombinableLoss,
+    TrimmedMean,
+    combinable_gradients,
+    objective_gradients,
+)
 from mogradient.combinable import RowValues
 from mogradient.distributed import apply_harmonized, apply_weights, ddp_objective_gradients
 from mogradient.row_gradients import RowGradients
@@ -119,3 +125,14 @@ def test_apply_weights_adds_the_weighted_sum_to_the_gradient_already_there() -> 
     assert torch.equal(applied, weights) and torch.equal(direction, expected)
     gradient = torch.cat([p.grad.reshape(-1) for p in parameters])
     assert torch.equal(gradient, expected + torch.tensor([0.5] * 4 + [0.0] * 2))
+
+
+def test_a_coordinatewise_direction_is_written_as_it_is() -> None:
+    """TrimmedMean's direction is not sum_k w_k g_k of its (least-squares) weights: the
+    direction itself reaches .grad, equal to a numpy sort-and-trim of the stack."""
+    parameters = [nn.Parameter(torch.zeros(3, 2, dtype=torch.float64))]
+    stack = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    harmonization = apply_harmonized(parameters, stack, TrimmedMean(trim_number=1))
+    expected = torch.sort(stack, dim=0).values[1:-1].mean(dim=0)
+    torch.testing.assert_close(parameters[0].grad.flatten(), expected, rtol=0, atol=1e-15)
+    torch.testing.assert_close(harmonization.direction, expected, rtol=0, atol=1e-15)

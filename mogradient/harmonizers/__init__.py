@@ -8,13 +8,22 @@ from mogradient._gram import CosineGram
 from mogradient.harmonizers.aligned_mtl import AlignedMTL
 from mogradient.harmonizers.base import Harmonization, Harmonizer, WeighResult, combine
 from mogradient.harmonizers.cagrad import CAGrad
+from mogradient.harmonizers.config_grad import ConFIG
+from mogradient.harmonizers.cr_mogm import CRMOGM
 from mogradient.harmonizers.dropout import RewardDropout
 from mogradient.harmonizers.dualproj import DualProj
+from mogradient.harmonizers.excess_mtl import ExcessMTL
+from mogradient.harmonizers.fairgrad import FairGrad
+from mogradient.harmonizers.graddrop import GradDrop
 from mogradient.harmonizers.gradvac import GradVac
 from mogradient.harmonizers.imtlg import IMTLG
+from mogradient.harmonizers.krum import Krum
 from mogradient.harmonizers.mgda import MGDA
+from mogradient.harmonizers.modo import MoDo
 from mogradient.harmonizers.nash_mtl import NashMTL
 from mogradient.harmonizers.pcgrad import PCGrad
+from mogradient.harmonizers.sdmgrad import SDMGrad
+from mogradient.harmonizers.trimmed_mean import TrimmedMean
 from mogradient.harmonizers.upgrad import UPGrad
 from mogradient.harmonizers.weighted import FixedWeights, Mean, RandomWeights
 
@@ -31,11 +40,25 @@ HARMONIZERS: dict[str, type[Harmonizer]] = {
     "imtlg": IMTLG,
     "alignedmtl": AlignedMTL,
     "gradvac": GradVac,
+    "config": ConFIG,
+    "fairgrad": FairGrad,
+    "krum": Krum,
+    "trimmedmean": TrimmedMean,
+    "graddrop": GradDrop,
+    "excessmtl": ExcessMTL,
+    "crmogm": CRMOGM,
+    "modo": MoDo,
+    "sdmgrad": SDMGrad,
 }
 
 
 def make_harmonizer(name: str, **options: Any) -> Harmonizer:
-    """Build a harmonizer by registry name (``mgda``, ``pcgrad``, ``upgrad``, ...)."""
+    """Build a harmonizer by registry name (``mgda``, ``pcgrad``, ``upgrad``, ...).
+
+    A wrapper's ``inner`` harmonizer (CR-MOGM's) may be given by its registry name too.
+    """
+    if isinstance(options.get("inner"), str):
+        options = {**options, "inner": make_harmonizer(options["inner"])}
     try:
         cls = HARMONIZERS[name.lower()]
     except KeyError:
@@ -45,22 +68,31 @@ def make_harmonizer(name: str, **options: Any) -> Harmonizer:
 
 
 __all__ = [
+    "CRMOGM",
     "HARMONIZERS",
     "IMTLG",
     "MGDA",
     "AlignedMTL",
     "CAGrad",
+    "ConFIG",
     "CosineGram",
     "DualProj",
+    "ExcessMTL",
+    "FairGrad",
     "FixedWeights",
+    "GradDrop",
     "GradVac",
     "Harmonization",
     "Harmonizer",
+    "Krum",
     "Mean",
+    "MoDo",
     "NashMTL",
     "PCGrad",
     "RandomWeights",
     "RewardDropout",
+    "SDMGrad",
+    "TrimmedMean",
     "UPGrad",
     "WeighResult",
     "combine",

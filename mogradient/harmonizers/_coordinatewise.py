@@ -30,6 +30,7 @@ class CoordinatewiseHarmonizer(Harmonizer):
     """
 
     direction_is_weighted_sum = False
+    needs_stack = True
     _stack_given = False
 
     def __call__(

@@ -69,6 +69,9 @@ class Harmonizer(ABC):
     # only approximate the direction, so weights cached or re-applied elsewhere (the
     # Amortizer) would not reproduce it.
     direction_is_weighted_sum: ClassVar[bool] = True
+    # Whether a call needs the K x D stack; Gram-only calls (``gram=``) raise for such
+    # methods (ExcessMTL's per-parameter scales, the coordinate-wise methods).
+    needs_stack: ClassVar[bool] = False
 
     def __call__(
         self, jacobian: torch.Tensor | None = None, *, gram: torch.Tensor | None = None

@@ -48,6 +48,8 @@ class ExcessMTL(Harmonizer):
     baseline is positive. The weights are thus exactly invariant to each objective's scale.
     """
 
+    needs_stack = True
+
     def __init__(self, step_size: float = 1.0, warmup_steps: int = 1) -> None:
         if not (math.isfinite(step_size) and step_size > 0.0):
             raise ValueError(f"step_size must be finite and positive, got {step_size}")

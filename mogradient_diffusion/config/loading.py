@@ -77,6 +77,15 @@ class TrainingConfig:
 
 
 STRATEGIES = ("marble", "weighted_sum", "sequential", "single", "reward_dropout", "pcgrad")
+# Registered harmonizers that are not offered as strategies, and why.
+NOT_STRATEGIES = {
+    "trimmedmean": "its update is a coordinate-wise trimmed mean, not a weighted sum of the "
+    "reward gradients, so cached weights (and the per-row engine's weights) cannot apply it",
+    "graddrop": "its update masks coordinates by sign, not a weighted sum of the reward "
+    "gradients, so cached weights (and the per-row engine's weights) cannot apply it",
+    "krum": "it trains on one reward's gradient per step (Byzantine-robust selection), "
+    "the imbalance multi-reward training exists to avoid, and it needs at least 3 rewards",
+}
 _AMORTIZED = ("period", "warmup_steps", "rho", "smooth_solve_steps")
 # The StrategyConfig fields each strategy reads; any other harmonizer name reads
 # HARMONIZER_OPTIONS. Setting a field the chosen strategy ignores is an error.
@@ -346,7 +355,12 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
         _check_reward_options(reward, REWARDS[reward.name])
         if isinstance(reward.options.get("device"), str):
             _check_device(f"reward {reward.name!r} option device", reward.options["device"])
-    known = set(STRATEGIES) | set(HARMONIZERS)
+    if strategy.name in NOT_STRATEGIES:
+        raise ConfigError(
+            f"strategy.name={strategy.name!r} is not a training strategy: "
+            f"{NOT_STRATEGIES[strategy.name]}"
+        )
+    known = (set(STRATEGIES) | set(HARMONIZERS)) - set(NOT_STRATEGIES)
     if strategy.name not in known:
         raise ConfigError(f"unknown strategy.name {strategy.name!r}; choose one of {sorted(known)}")
     _check_strategy_options(strategy)

@@ -43,3 +43,16 @@ def test_naming_another_strategy_drops_the_options_of_the_one_it_replaces() -> N
     config = load_config(preset="tiny", overrides=["strategy.name=weighted_sum"])
     assert config.strategy.period is None
     assert _amortizer("strategy.rho=0.5").period == 2  # marble kept: the preset's period stays
+
+
+@pytest.mark.parametrize("name", ["trimmedmean", "graddrop", "krum"])
+def test_harmonizers_that_cannot_train_on_rewards_are_refused_up_front(name: str) -> None:
+    """Their update is not a weighted sum (or picks one reward): named, with the reason."""
+    with pytest.raises(ConfigError, match=f"strategy.name='{name}' is not a training strategy"):
+        load_config(preset="tiny", overrides=[f"strategy.name={name}"])
+
+
+def test_config_and_fairgrad_are_strategies_with_their_options() -> None:
+    assert type(_amortizer("strategy.name=config").harmonizer).__name__ == "ConFIG"
+    fairgrad = _amortizer("strategy.name=fairgrad", "strategy.options={alpha: 2.0}").harmonizer
+    assert type(fairgrad).__name__ == "FairGrad" and fairgrad.alpha == 2.0
