@@ -89,6 +89,20 @@ def test_gradient_engines_quick_writes_every_engine(tmp_path: Path) -> None:
     assert "| engine | wall ms |" in result.stdout
 
 
+def test_representation_quick_times_every_mode_against_torchjd(tmp_path: Path) -> None:
+    """Our trunk and MGDA-UB backward beside TorchJD's mtl_backward, timed and measured."""
+    pytest.importorskip("torchjd", reason="the benchmark compares against TorchJD")
+    result = _run_quick(BENCHMARKS / "bench_representation.py", "--out", str(tmp_path))
+    payload = _load(tmp_path, "representation")
+
+    assert payload["mode"] == "quick" and payload["rows"]
+    for row in payload["rows"]:
+        assert len(row["median_ms"]) >= 3 and all(v > 0 for v in row["median_ms"].values())
+        assert all(value >= 0 for value in row["peak_mib"].values())
+        assert row["trunk_vs_torchjd_max_rel_diff"] < 1e-4
+    assert "| K |" in result.stdout + (tmp_path / "representation.md").read_text()
+
+
 def test_mgda_exactness_quick_writes_cases_and_stress(tmp_path: Path) -> None:
     """The two quick cases and the stress stacks, with all three printed tables."""
     pytest.importorskip("torchjd", reason="the benchmark compares against TorchJD")

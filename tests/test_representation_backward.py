@@ -12,10 +12,7 @@ missing term or the wrong weights change results by O(1).
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +22,6 @@ import mogradient as mg
 from mogradient.errors import UnusedParameterError
 from mogradient.representation import mtl_backward
 
-ROOT = Path(__file__).resolve().parents[1]
 RELATIVE = 1e-12
 NUM_TASKS = 3
 BATCH = 7
@@ -349,23 +345,3 @@ def test_errors_are_clear_and_write_nothing() -> None:
     with pytest.raises(TypeError, match="must be a mogradient Harmonizer"):
         mtl_backward(losses, features, lambda jacobian: jacobian.mean(0))
     assert all(parameter.grad is None for parameter in model.parameters())
-
-
-# --- the benchmark's quick mode -----------------------------------------------------------
-
-
-def test_benchmark_quick_writes_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("torchjd", reason="the benchmark compares against TorchJD")
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    monkeypatch.setattr(sys, "argv", ["bench_representation.py", "--quick", "--out", str(tmp_path)])
-    import bench_representation
-
-    assert bench_representation.main() == 0
-    payload = json.loads((tmp_path / "representation.json").read_text())
-    assert payload["mode"] == "quick" and payload["rows"]
-    for row in payload["rows"]:
-        assert set(row["median_ms"]) == set(bench_representation.METHODS)
-        assert all(value > 0 for value in row["median_ms"].values())
-        assert all(value >= 0 for value in row["peak_mib"].values())
-        assert row["trunk_vs_torchjd_max_rel_diff"] < 1e-4
-    assert "| K |" in (tmp_path / "representation.md").read_text()
