@@ -28,6 +28,12 @@ class Method(Protocol):
         """Fill ``.grad`` of every parameter; return the weights used (K floats) or None."""
 
 
+def extra_parameters(method: Method | None) -> list[torch.nn.Parameter]:
+    """Parameters a method learns beside the model (UW's log-variances): Adam steps them too."""
+    parameters = getattr(method, "parameters", None)
+    return list(parameters()) if parameters is not None else []
+
+
 def head_backward(model: MultiTaskNet, losses: list[torch.Tensor]) -> None:
     """Each head's gradient is its own loss's gradient (the heads share no parameter)."""
     heads = [parameter for head in model.heads for parameter in head.parameters()]
@@ -64,6 +70,49 @@ class TorchJD:
         mtl_backward(losses, features=features, shared_params=shared, tasks_params=heads)
         weights = jac_to_grad(shared, self.aggregator)
         return None if weights is None else weights.detach()
+
+
+@dataclass
+class OursFeatures:
+    """MGDA-UB: weights solved on the gradients w.r.t. the shared features, one trunk backward."""
+
+    harmonizer: mg.Harmonizer
+
+    def backward(self, model, losses, features):
+        heads = [list(head.parameters()) for head in model.heads]
+        result = mg.mtl_backward(
+            losses,
+            features,
+            self.harmonizer,
+            shared_parameters=model.shared_parameters(),
+            head_parameters=heads,
+            mode="features",
+        )
+        return result.weights
+
+
+@dataclass
+class Scalarized:
+    """A mogradient scalarization: one backward of the loss it makes of the K losses."""
+
+    method: mg.Scalarization
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.method.parameters())
+
+    def backward(self, model, losses, features):
+        result = self.method(torch.stack(losses))
+        result.loss.backward()
+        return result.weights.detach().to(torch.float64)
+
+    def after_step(self, recompute_losses: Callable[[], list[torch.Tensor]]) -> None:
+        """FAMO learns from the losses after the step, on the same batch."""
+        if self.method.needs_losses_after_step:
+            with torch.no_grad():
+                self.method.update(torch.stack(recompute_losses()))
+
+    def end_epoch(self) -> None:
+        self.method.end_epoch()
 
 
 def libmtl_weighting_module() -> types.ModuleType:
@@ -134,12 +183,20 @@ def _ours(factory: Callable[[int, int], mg.Harmonizer]) -> Callable[[int, int], 
     return lambda num_tasks, seed: Ours(factory(num_tasks, seed))
 
 
+def _scalar(name: str, **options: Any) -> Callable[[int, int], Method]:
+    return lambda num_tasks, seed: Scalarized(
+        mg.make_scalarization(name, num_tasks=num_tasks, **options)
+    )
+
+
 def _lib(name: str, **options: Any) -> Callable[[int, int], Method]:
     return lambda num_tasks, seed: LibMTL(name, dict(options))
 
 
 GRADVAC_BETA = 0.01  # the paper's and ours; LibMTL's default is 0.5, TorchJD's 0.5
 CAGRAD_C = 0.5
+FAIRGRAD_ALPHA = 1.0  # the paper's proportional fairness
+STCH_MU = 1.0  # the smoothing; the paper gives no single default
 
 METHODS: dict[str, Spec] = {
     spec.label: spec
@@ -161,10 +218,35 @@ METHODS: dict[str, Spec] = {
             "mogradient",
             _ours(lambda k, s: mg.RewardDropout(mg.MGDA(), probability=0.3, seed=s)),
         ),
+        Spec("ConFIG", "mogradient", _ours(lambda k, s: mg.ConFIG())),
+        Spec("FairGrad", "mogradient", _ours(lambda k, s: mg.FairGrad(alpha=FAIRGRAD_ALPHA))),
+        Spec("ExcessMTL", "mogradient", _ours(lambda k, s: mg.ExcessMTL())),
+        Spec("CR-MOGM", "mogradient", _ours(lambda k, s: mg.CRMOGM())),
+        Spec("MoDo", "mogradient", _ours(lambda k, s: mg.MoDo())),
+        Spec("SDMGrad", "mogradient", _ours(lambda k, s: mg.SDMGrad())),
+        Spec("Krum", "mogradient", _ours(lambda k, s: mg.Krum()), min_tasks=3),
+        Spec("TrimmedMean", "mogradient", _ours(lambda k, s: mg.TrimmedMean()), min_tasks=3),
+        Spec("GradDrop", "mogradient", _ours(lambda k, s: mg.GradDrop(seed=s))),
+        Spec("MGDA-UB", "mogradient", lambda k, s: OursFeatures(mg.MGDA(normalize=False))),
+        Spec("UW", "mogradient", _scalar("uw")),
+        Spec("DWA", "mogradient", _scalar("dwa")),
+        Spec("GLS", "mogradient", _scalar("gls")),
+        Spec("IMTL-L", "mogradient", _scalar("imtll")),
+        Spec("STCH", "mogradient", _scalar("stch", mu=STCH_MU)),
+        Spec("PBI", "mogradient", _scalar("pbi")),
+        Spec("FAMO", "mogradient", _scalar("famo")),
         Spec("TorchJD UPGrad", "torchjd", _tjd("UPGrad")),
         Spec("TorchJD MGDA", "torchjd", _tjd("MGDA")),
         Spec("TorchJD DualProj", "torchjd", _tjd("DualProj")),
         Spec("TorchJD PCGrad", "torchjd", _tjd("PCGrad")),
+        Spec("TorchJD ConFIG", "torchjd", _tjd("ConFIG")),
+        Spec("TorchJD FairGrad", "torchjd", _tjd("FairGrad", alpha=FAIRGRAD_ALPHA)),
+        # n_warmup_steps=1: ours; TorchJD's default 0 updates on the raw, unnormalized estimate.
+        Spec("TorchJD ExcessMTL", "torchjd", _tjd("ExcessMTL", n_warmup_steps=1)),
+        # TorchJD's Krum scores plain distances, ours the paper's squared ones.
+        Spec("TorchJD Krum", "torchjd", _tjd("Krum", n_byzantine=0), min_tasks=3),
+        Spec("TorchJD TrimmedMean", "torchjd", _tjd("TrimmedMean", trim_number=1), min_tasks=3),
+        Spec("TorchJD GradDrop", "torchjd", _tjd("GradDrop")),
         Spec("LibMTL EW", "libmtl", _lib("EW")),
         Spec("LibMTL RLW", "libmtl", _lib("RLW", dist="Normal")),
         Spec("LibMTL MGDA", "libmtl", _lib("MGDA", mgda_gn="none")),

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.common import interleaved_times, timing_summary
 from benchmarks.mtl.data import Problem
-from benchmarks.mtl.methods import METHODS, applicable
+from benchmarks.mtl.methods import METHODS, applicable, extra_parameters
 from benchmarks.mtl.model import MultiTaskNet, batch_losses
 from benchmarks.mtl.train import seed_everything
 
@@ -25,8 +25,10 @@ def _stepper(problem: Problem, label: str, batch: int, seed: int):
     seed_everything(seed)
     model = MultiTaskNet(problem.tasks)
     method = METHODS[label].build(len(problem.tasks), seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    learned = [*model.parameters(), *extra_parameters(method)]
+    optimizer = torch.optim.Adam(learned, lr=1e-3)
     generator = torch.Generator().manual_seed(seed)
+    after_step = getattr(method, "after_step", None)
 
     def step() -> None:
         rows = torch.randint(len(problem.train.images), (batch,), generator=generator)
@@ -34,6 +36,8 @@ def _stepper(problem: Problem, label: str, batch: int, seed: int):
         features, losses = batch_losses(model, problem.train, rows)
         method.backward(model, losses, features)
         optimizer.step()
+        if after_step is not None:  # part of the method's cost (FAMO's second forward)
+            after_step(lambda: batch_losses(model, problem.train, rows)[1])
 
     return step
 

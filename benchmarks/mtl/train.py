@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 import mogradient as mg
 from benchmarks.mtl.data import Problem, Split
-from benchmarks.mtl.methods import Method
+from benchmarks.mtl.methods import Method, extra_parameters
 from benchmarks.mtl.model import MultiTaskNet, task_loss, task_metric
 
 
@@ -62,18 +63,15 @@ def train(
     task_indices = list(range(len(problem.tasks))) if task_indices is None else task_indices
     seed_everything(seed)
     model = MultiTaskNet(tuple(problem.tasks[index] for index in task_indices))
-    optimizer = torch.optim.Adam(model.parameters(), lr=budget.learning_rate)
+    learned = [*model.parameters(), *extra_parameters(method)]
+    optimizer = torch.optim.Adam(learned, lr=budget.learning_rate)
     order = torch.Generator().manual_seed(seed)
     record = {"validation": [], "test": [], "losses": [], "cos_min": [], "weights": []}
     step = 0
     for _ in range(budget.epochs):
         for rows in batches(len(problem.train.images), budget.batch, order):
             optimizer.zero_grad()
-            features, outputs = model(problem.train.images[rows])
-            losses = [
-                task_loss(model.tasks[head], output, problem.train.targets[task][rows])
-                for head, (output, task) in enumerate(zip(outputs, task_indices, strict=True))
-            ]
+            features, losses = task_losses(model, problem.train, rows, task_indices)
             if method is None:
                 losses[0].backward()
             else:
@@ -89,11 +87,33 @@ def train(
                     if weights is not None:
                         record["weights"].append([float(w) for w in weights])
             optimizer.step()
+            after_step = getattr(method, "after_step", None)
+            if after_step is not None:  # FAMO: the same batch's losses after the step
+                after_step(partial(_losses_only, model, problem.train, rows, task_indices))
             record["losses"].append([float(loss.detach()) for loss in losses])
             step += 1
+        end_epoch = getattr(method, "end_epoch", None)
+        if end_epoch is not None:
+            end_epoch()
         record["validation"].append(evaluate(model, problem.validation, task_indices))
         record["test"].append(evaluate(model, problem.test, task_indices))
     return record
+
+
+def task_losses(
+    model: MultiTaskNet, split: Split, rows: torch.Tensor, task_indices: list[int]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The shared features and each head's loss on the samples ``rows`` of ``split``."""
+    features, outputs = model(split.images[rows])
+    losses = [
+        task_loss(model.tasks[head], output, split.targets[task][rows])
+        for head, (output, task) in enumerate(zip(outputs, task_indices, strict=True))
+    ]
+    return features, losses
+
+
+def _losses_only(*arguments) -> list[torch.Tensor]:
+    return task_losses(*arguments)[1]
 
 
 def _worst_cosine(model: MultiTaskNet, jacobian: torch.Tensor, weights) -> float:
