@@ -232,7 +232,7 @@ def test_moco_matches_its_update_and_its_surrogate_gives_y_lambda(normalize: boo
 
 
 def test_simplex_projection_on_vertices_and_inside() -> None:
-    from mogradient.scalarizations.moco import simplex_projection
+    from mogradient.harmonizers._simplex import project_to_simplex as simplex_projection
 
     for v in ([0.2, 0.3, 0.5], [5.0, -1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, -3.0]):
         vector = np.array(v)

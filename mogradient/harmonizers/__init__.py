@@ -21,6 +21,7 @@ from mogradient.harmonizers.krum import Krum
 from mogradient.harmonizers.mgda import MGDA
 from mogradient.harmonizers.modo import MoDo
 from mogradient.harmonizers.nash_mtl import NashMTL
+from mogradient.harmonizers.pcd import PCD
 from mogradient.harmonizers.pcgrad import PCGrad
 from mogradient.harmonizers.sdmgrad import SDMGrad
 from mogradient.harmonizers.trimmed_mean import TrimmedMean
@@ -49,6 +50,7 @@ HARMONIZERS: dict[str, type[Harmonizer]] = {
     "crmogm": CRMOGM,
     "modo": MoDo,
     "sdmgrad": SDMGrad,
+    "pcd": PCD,
 }
 
 
@@ -72,6 +74,7 @@ __all__ = [
     "HARMONIZERS",
     "IMTLG",
     "MGDA",
+    "PCD",
     "AlignedMTL",
     "CAGrad",
     "ConFIG",

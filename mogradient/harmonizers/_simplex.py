@@ -17,7 +17,7 @@ def project_to_simplex(point: torch.Tensor) -> torch.Tensor:
     point = point - point.max()
     ordered = torch.sort(point, descending=True).values
     thresholds = (torch.cumsum(ordered, dim=0) - 1.0) / torch.arange(
-        1, len(point) + 1, dtype=point.dtype
+        1, len(point) + 1, dtype=point.dtype, device=point.device
     )
     support = int(torch.nonzero(ordered > thresholds).max())
     return (point - thresholds[support]).clamp_min(0.0)

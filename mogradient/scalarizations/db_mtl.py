@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
+from mogradient.scalarizations._shared import redirect_shared, shared_gradients, shared_parameters
 from mogradient.scalarizations.base import (
     Scalarization,
     ScalarizedLoss,
@@ -13,7 +14,6 @@ from mogradient.scalarizations.base import (
     non_negative,
     positive,
 )
-from mogradient.scalarizations.moco import redirect_shared, shared_gradients, shared_parameters
 
 
 class DBMTL(Scalarization):

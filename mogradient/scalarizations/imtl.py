@@ -7,9 +7,9 @@ from collections.abc import Iterable
 import torch
 
 from mogradient.harmonizers.imtlg import IMTLG
+from mogradient.scalarizations._shared import redirect_shared, shared_gradients, shared_parameters
 from mogradient.scalarizations.base import Scalarization, ScalarizedLoss, check_at_least
 from mogradient.scalarizations.imtll import IMTLL
-from mogradient.scalarizations.moco import redirect_shared, shared_gradients, shared_parameters
 
 
 class IMTL(Scalarization):

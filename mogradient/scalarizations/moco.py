@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-from mogradient.gradients import objective_gradients
+from mogradient.harmonizers._simplex import project_to_simplex
+from mogradient.scalarizations._shared import redirect_shared, shared_gradients, shared_parameters
 from mogradient.scalarizations.base import (
     Scalarization,
     ScalarizedLoss,
@@ -17,69 +18,6 @@ from mogradient.scalarizations.base import (
 
 # LibMTL's guard when MoCo (normalize=True) or DB-MTL divides by a gradient norm.
 NORM_EPS = 1e-8
-
-
-def shared_parameters(method: str, shared: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The shared parameters a gradient-aware scalarization differentiates, checked."""
-    tensors = list(shared)
-    if not tensors:
-        raise ValueError(
-            f"{method}: shared is empty; pass the shared parameters the task gradients are "
-            "taken on, e.g. list(model.trunk.parameters())"
-        )
-    for index, tensor in enumerate(tensors):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(
-                f"{method}: shared[{index}] is a {type(tensor).__name__}, not a tensor; pass "
-                "parameters such as model.trunk.parameters() (not named_parameters())"
-            )
-        if not tensor.requires_grad:
-            raise ValueError(
-                f"{method}: shared[{index}] (shape {tuple(tensor.shape)}) does not require "
-                "grad; pass only the trainable shared parameters"
-            )
-    return tensors
-
-
-def shared_gradients(method: str, losses: torch.Tensor, shared: list[torch.Tensor]) -> torch.Tensor:
-    """K x D gradients of the losses on the shared parameters, the graph kept for backward."""
-    if not losses.requires_grad:
-        raise ValueError(
-            f"{method} differentiates the losses but they carry no graph; call it on the "
-            "training losses, outside torch.no_grad()"
-        )
-    return objective_gradients(losses, shared, retain_graph=True)
-
-
-def redirect_shared(
-    loss: torch.Tensor, shared: list[torch.Tensor], correction: torch.Tensor
-) -> torch.Tensor:
-    """``loss`` with the same value, whose backward adds ``correction`` to the shared gradient.
-
-    Returns loss + <c, theta> - <c, theta>.detach() for the flat, detached c: the added
-    term is exactly zero, and its gradient is c on the shared parameters, nothing elsewhere.
-    """
-    pieces = torch.split(correction.detach(), [parameter.numel() for parameter in shared])
-    term = sum(
-        (piece.view_as(parameter).to(parameter.dtype) * parameter).sum()
-        for piece, parameter in zip(pieces, shared, strict=True)
-    )
-    return loss + (term - term.detach())
-
-
-def simplex_projection(vector: torch.Tensor) -> torch.Tensor:
-    """The Euclidean projection of a 1-D vector onto the probability simplex.
-
-    Sort-based (Held, Wolfe & Crowder 1974; Duchi et al. 2008, Fig. 1): with u sorted
-    in decreasing order, theta = (sum_{j <= rho} u_j - 1) / rho for the largest rho with
-    u_rho > (sum_{j <= rho} u_j - 1) / rho, and the projection is max(v - theta, 0).
-    """
-    ordered = torch.sort(vector, descending=True).values
-    excess = ordered.cumsum(0) - 1
-    ranks = torch.arange(1, len(vector) + 1, dtype=vector.dtype, device=vector.device)
-    # The first entry always qualifies (u_1 - (u_1 - 1) = 1 > 0).
-    count = int(torch.nonzero(ordered - excess / ranks > 0).max()) + 1
-    return (vector - excess[count - 1] / count).clamp_min(0)
 
 
 class MoCo(Scalarization):
@@ -169,7 +107,7 @@ class MoCo(Scalarization):
             len(tracked), dtype=torch.float64, device=tracked.device
         )
         step_size = self.gamma / step**self.gamma_sigma
-        self.lambdas.copy_(simplex_projection(self.lambdas - step_size * (gram @ self.lambdas)))
+        self.lambdas.copy_(project_to_simplex(self.lambdas - step_size * (gram @ self.lambdas)))
         direction = self.lambdas.to(self.tracked) @ self.tracked
         lambdas = self.lambdas.to(losses)
         correction = direction.to(gradients) - lambdas.to(gradients) @ gradients
