@@ -93,11 +93,22 @@ class OursFeatures:
 
 @dataclass
 class Scalarized:
-    """A mogradient scalarization: one backward of the loss it makes of the K losses."""
+    """A mogradient scalarization: one backward of the loss it makes of the K losses.
 
-    method: mg.Scalarization
+    Built by :meth:`bind` on the model, before the optimizer: methods that read task
+    gradients take the model's shared parameters, and UW's or IMTL's scales must exist
+    when Adam is given the parameters to step.
+    """
+
+    build_method: Callable[[MultiTaskNet], mg.Scalarization]
+    method: mg.Scalarization | None = field(default=None, repr=False)
+
+    def bind(self, model: MultiTaskNet) -> None:
+        self.method = self.build_method(model)
 
     def parameters(self) -> list[torch.nn.Parameter]:
+        if self.method is None:
+            raise RuntimeError("bind(model) first: the scalarization is built on the model")
         return list(self.method.parameters())
 
     def backward(self, model, losses, features):
@@ -113,6 +124,13 @@ class Scalarized:
 
     def end_epoch(self) -> None:
         self.method.end_epoch()
+
+
+def bind(method: Method | None, model: MultiTaskNet) -> None:
+    """Let a method that is built on the model (scalarizations, LibMTL's) see it first."""
+    binder = getattr(method, "bind", None)
+    if binder is not None:
+        binder(model)
 
 
 def libmtl_weighting_module() -> types.ModuleType:
@@ -185,8 +203,28 @@ def _ours(factory: Callable[[int, int], mg.Harmonizer]) -> Callable[[int, int], 
 
 def _scalar(name: str, **options: Any) -> Callable[[int, int], Method]:
     return lambda num_tasks, seed: Scalarized(
-        mg.make_scalarization(name, num_tasks=num_tasks, **options)
+        lambda model: mg.make_scalarization(name, num_tasks=num_tasks, **options)
     )
+
+
+def _scalar_on(
+    shared: Callable[[MultiTaskNet], list[torch.nn.Parameter]], name: str, **options: Any
+) -> Callable[[int, int], Method]:
+    """A scalarization that reads task gradients on ``shared(model)``."""
+    return lambda num_tasks, seed: Scalarized(
+        lambda model: mg.make_scalarization(
+            name, num_tasks=num_tasks, shared=shared(model), **options
+        )
+    )
+
+
+def _trunk(model: MultiTaskNet) -> list[torch.nn.Parameter]:
+    return model.shared_parameters()
+
+
+def _last_shared_layer(model: MultiTaskNet) -> list[torch.nn.Parameter]:
+    """GradNorm's W: the trunk's last linear layer (the paper's last shared layer)."""
+    return list(model.trunk[-2].parameters())
 
 
 def _lib(name: str, **options: Any) -> Callable[[int, int], Method]:
@@ -235,6 +273,11 @@ METHODS: dict[str, Spec] = {
         Spec("STCH", "mogradient", _scalar("stch", mu=STCH_MU)),
         Spec("PBI", "mogradient", _scalar("pbi")),
         Spec("FAMO", "mogradient", _scalar("famo")),
+        Spec("GradNorm", "mogradient", _scalar_on(_last_shared_layer, "gradnorm")),
+        Spec("DB-MTL", "mogradient", _scalar_on(_trunk, "dbmtl")),
+        Spec("IMTL", "mogradient", _scalar_on(_trunk, "imtl")),
+        Spec("MoCo", "mogradient", _scalar_on(_trunk, "moco")),
+        Spec("PCD", "mogradient", _ours(lambda k, s: mg.PCD())),
         Spec("TorchJD UPGrad", "torchjd", _tjd("UPGrad")),
         Spec("TorchJD MGDA", "torchjd", _tjd("MGDA")),
         Spec("TorchJD DualProj", "torchjd", _tjd("DualProj")),
@@ -247,6 +290,7 @@ METHODS: dict[str, Spec] = {
         Spec("TorchJD Krum", "torchjd", _tjd("Krum", n_byzantine=0), min_tasks=3),
         Spec("TorchJD TrimmedMean", "torchjd", _tjd("TrimmedMean", trim_number=1), min_tasks=3),
         Spec("TorchJD GradDrop", "torchjd", _tjd("GradDrop")),
+        Spec("TorchJD PCD", "torchjd", _tjd("PCD")),
         Spec("LibMTL EW", "libmtl", _lib("EW")),
         Spec("LibMTL RLW", "libmtl", _lib("RLW", dist="Normal")),
         Spec("LibMTL MGDA", "libmtl", _lib("MGDA", mgda_gn="none")),

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.common import interleaved_times, timing_summary
 from benchmarks.mtl.data import Problem
-from benchmarks.mtl.methods import METHODS, applicable, extra_parameters
+from benchmarks.mtl.methods import METHODS, applicable, bind, extra_parameters
 from benchmarks.mtl.model import MultiTaskNet, batch_losses
 from benchmarks.mtl.train import seed_everything
 
@@ -25,6 +25,7 @@ def _stepper(problem: Problem, label: str, batch: int, seed: int):
     seed_everything(seed)
     model = MultiTaskNet(problem.tasks)
     method = METHODS[label].build(len(problem.tasks), seed)
+    bind(method, model)
     learned = [*model.parameters(), *extra_parameters(method)]
     optimizer = torch.optim.Adam(learned, lr=1e-3)
     generator = torch.Generator().manual_seed(seed)

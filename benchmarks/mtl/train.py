@@ -12,7 +12,7 @@ import torch
 
 import mogradient as mg
 from benchmarks.mtl.data import Problem, Split
-from benchmarks.mtl.methods import Method, extra_parameters
+from benchmarks.mtl.methods import Method, bind, extra_parameters
 from benchmarks.mtl.model import MultiTaskNet, task_loss, task_metric
 
 
@@ -63,6 +63,7 @@ def train(
     task_indices = list(range(len(problem.tasks))) if task_indices is None else task_indices
     seed_everything(seed)
     model = MultiTaskNet(tuple(problem.tasks[index] for index in task_indices))
+    bind(method, model)
     learned = [*model.parameters(), *extra_parameters(method)]
     optimizer = torch.optim.Adam(learned, lr=budget.learning_rate)
     order = torch.Generator().manual_seed(seed)
