@@ -29,6 +29,8 @@ from mogradient._external_qp import solve_with_cvxpy, solve_with_qpsolvers
 from mogradient._gram import validated_gram
 from mogradient.errors import SolverError
 
+# Sizes (norm / smallest norm) above this are capped: 2^1000, far below overflow.
+_SIZE_CAP = 2.0**1000
 _MAX_ITERATIONS = 1000
 _EPS = float(np.finfo(np.float64).eps)
 # Relative violations below this are round-off: a product u_k . d carries ~K eps of S.
@@ -79,12 +81,25 @@ def solve_simplex_qp_factored(
     _check_backend(backend)
     cosines = np.asarray(cosines, dtype=np.float64)
     norms = np.asarray(norms, dtype=np.float64)
-    sizes = norms / norms.min()
+    with np.errstate(over="ignore"):
+        sizes = norms / norms.min()
+    # A point this far out acts only through its direction (the min-norm point converges
+    # as it recedes), so sizes beyond float64's range are capped; such a point may then
+    # get no weight, or its weight ~ 1 / size is not representable.
+    capped = ~(sizes <= _SIZE_CAP)
+    sizes = np.where(capped, _SIZE_CAP, sizes)
     if backend == "builtin":
         weights = _solve_wolfe(cosines, sizes)
     else:
         weights = _solve_external(cosines, sizes, backend)
     weights = _project_to_simplex(weights)
+    if np.any(weights[capped] > 0):
+        raise SolverError(
+            "the gradients' norms span more than float64's range and the min-norm point "
+            "uses the largest ones: their weights on the raw gradients cannot be "
+            "represented; rescale the objectives so that their gradients' norms lie within "
+            "about 1e300 of each other"
+        )
     contributions = weights * norms
     return SimplexQPSolution(
         weights=weights,

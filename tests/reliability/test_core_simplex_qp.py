@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from mogradient import make_harmonizer
+from mogradient import MGDA, SolverError, make_harmonizer
 from mogradient._qp import simplex_kkt_residual, solve_simplex_qp
 
 EPS = float(np.finfo(np.float64).eps)
@@ -164,3 +164,19 @@ def test_kkt_residual_bounds_every_conflict() -> None:
         bound = np.max(-cosines * norms * size / ((norms + size) * total))
         residual = simplex_kkt_residual(jacobian @ jacobian.T, weights)
         assert residual >= bound * (1 - 1e-6)
+
+
+def test_norms_beyond_float64s_range_are_solved_or_refused_in_one_line() -> None:
+    """Norms 1e-160 and 1e160 in one stack: the largest over the smallest overflows.
+    Plain MGDA used to fail inside numpy ("SVD did not converge") on such stacks. Where
+    the min-norm point leaves the huge gradient out, the answer is exact; where it needs
+    it, the raw weight (~1e-320) cannot be represented and the error says what to do."""
+    unused = torch.zeros(3, 3, dtype=torch.float64)
+    unused[0, 0], unused[1, 1], unused[2] = 1e-160, 1e160, torch.tensor([1.0, -1.0, 1.0])
+    result = MGDA(normalize=False)(unused)
+    torch.testing.assert_close(result.weights, torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    needed = torch.tensor([[1e-160, 1e-160], [-1e160, 0.0]], dtype=torch.float64)
+    with pytest.raises(SolverError, match="span more than float64's range"):
+        MGDA(normalize=False)(needed)
+    with pytest.raises(SolverError):  # normalize-rescale's raw weights (~1e320) overflow too
+        MGDA()(needed)
