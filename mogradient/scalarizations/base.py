@@ -177,3 +177,19 @@ def non_negative(value: float, name: str) -> float:
     if not (isinstance(value, int | float) and 0 <= value < math.inf):
         raise ValueError(f"{name} must be finite and non-negative, got {value!r}")
     return float(value)
+
+
+def preferences_and_reference(
+    num_tasks: int | None,
+    preferences: Sequence[float] | torch.Tensor | None,
+    reference: Sequence[float] | torch.Tensor | None,
+) -> tuple[int | None, torch.Tensor | None, torch.Tensor | None]:
+    """A preference-based method's K, preference vector and reference point, checked
+    against each other: a vector given fixes K for the rest."""
+    preferences = checked_vector(preferences, "preferences", True, num_tasks)
+    if preferences is not None:
+        num_tasks = len(preferences)
+    reference = checked_vector(reference, "reference", False, num_tasks)
+    if reference is not None:
+        num_tasks = len(reference)
+    return num_tasks, preferences, reference

@@ -9,8 +9,8 @@ import torch
 from mogradient.scalarizations.base import (
     Scalarization,
     ScalarizedLoss,
-    checked_vector,
     non_negative,
+    preferences_and_reference,
 )
 
 
@@ -40,12 +40,9 @@ class PBI(Scalarization):
         preferences: Sequence[float] | torch.Tensor | None = None,
         reference: Sequence[float] | torch.Tensor | None = None,
     ) -> None:
-        preferences = checked_vector(preferences, "preferences", True, num_tasks)
-        if preferences is not None:
-            num_tasks = len(preferences)
-        reference = checked_vector(reference, "reference", False, num_tasks)
-        if reference is not None:
-            num_tasks = len(reference)
+        num_tasks, preferences, reference = preferences_and_reference(
+            num_tasks, preferences, reference
+        )
         super().__init__(num_tasks)
         self.theta = non_negative(theta, "theta")
         self.register_buffer(

@@ -6,7 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from mogradient.scalarizations.base import Scalarization, ScalarizedLoss, checked_vector, positive
+from mogradient.scalarizations.base import (
+    Scalarization,
+    ScalarizedLoss,
+    positive,
+    preferences_and_reference,
+)
 
 
 class STCH(Scalarization):
@@ -33,12 +38,9 @@ class STCH(Scalarization):
         preferences: Sequence[float] | torch.Tensor | None = None,
         reference: Sequence[float] | torch.Tensor | None = None,
     ) -> None:
-        preferences = checked_vector(preferences, "preferences", True, num_tasks)
-        if preferences is not None:
-            num_tasks = len(preferences)
-        reference = checked_vector(reference, "reference", False, num_tasks)
-        if reference is not None:
-            num_tasks = len(reference)
+        num_tasks, preferences, reference = preferences_and_reference(
+            num_tasks, preferences, reference
+        )
         super().__init__(num_tasks)
         self.mu = positive(mu, "mu")
         self.register_buffer("preferences", preferences)
