@@ -31,6 +31,7 @@ from common import (
     machine_info,
     machine_markdown,
     markdown_table,
+    status_kib,
     timing_summary,
     write_results,
 )
@@ -144,20 +145,12 @@ def child_memory(engine: str) -> dict[str, float]:
     """
     setup = make_setup()
     call = engines(setup)[engine]
-    baseline = _status_kib("VmRSS")
+    baseline = status_kib("VmRSS")
     reset = _reset_high_water_mark()
     for _ in range(MEMORY_CALLS):
         call()
-    peak = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"baseline_mib": baseline / 1024, "peak_mib": peak / 1024, "hwm_reset": reset}
-
-
-def _status_kib(field: str) -> int:
-    """A memory field of /proc/self/status (in KiB)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
 def _reset_high_water_mark() -> bool:
@@ -165,7 +158,7 @@ def _reset_high_water_mark() -> bool:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         return False
-    return _status_kib("VmHWM") <= _status_kib("VmRSS") + 1024
+    return status_kib("VmHWM") <= status_kib("VmRSS") + 1024
 
 
 def measure_memory(engine: str) -> dict[str, float]:

@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import machine_info, machine_markdown, markdown_table, publish
+from common import (
+    MEASURING_CHILD_ENV,
+    machine_info,
+    machine_markdown,
+    markdown_table,
+    publish,
+    status_kib,
+)
 from torch import nn
 
 from mogradient.combinable import CombinableLoss
@@ -170,13 +177,6 @@ def time_methods(model_name: str, batch: int, rounds: int) -> dict[str, Any]:
     }
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def child(model_name: str, batch: int, method: str) -> int:
     """Peak resident-set growth (KiB) of 5 calls of one method, printed as JSON."""
     torch.set_num_threads(1)
@@ -186,24 +186,16 @@ def child(model_name: str, batch: int, method: str) -> int:
     for _ in range(2):
         function(x, y)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     for _ in range(5):
         function(x, y)
-    print(json.dumps({"peak_growth_kib": _status_kib("VmHWM") - before}))
+    print(json.dumps({"peak_growth_kib": status_kib("VmHWM") - before}))
     return 0
 
 
 def peak_growth_mib(model_name: str, batch: int, method: str) -> float:
     command = [sys.executable, __file__, "--child", model_name, str(batch), method]
-    # glibc: blocks of 64 KiB and more are mmap'ed and returned on free, one arena, so the
-    # high-water mark follows what is alive rather than what the allocator keeps.
-    env = os.environ | {
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "MALLOC_MMAP_THRESHOLD_": "65536",
-        "MALLOC_TRIM_THRESHOLD_": "0",
-        "MALLOC_ARENA_MAX": "1",
-    }
+    env = os.environ | MEASURING_CHILD_ENV
     output = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(output.stdout.strip().splitlines()[-1])["peak_growth_kib"] / 1024
 

@@ -47,11 +47,13 @@ from typing import Any
 
 import torch
 from common import (
+    MEASURING_CHILD_ENV,
     interleaved_times,
     machine_info,
     machine_markdown,
     markdown_table,
     publish,
+    status_kib,
     timing_summary,
 )
 from torch import nn
@@ -191,13 +193,6 @@ def run_case(
     }
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def peaks_here(tasks: int, width: int, batch: int, device: torch.device) -> dict[str, float]:
     """MiB above the memory before one step, per method (RSS on CPU, allocator on CUDA)."""
     functions, _ = steps(tasks, width, batch, device)
@@ -212,22 +207,16 @@ def peaks_here(tasks: int, width: int, batch: int, device: torch.device) -> dict
             peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**20
         else:
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            before = _status_kib("VmRSS")
+            before = status_kib("VmRSS")
             function()
-            peaks[name] = (_status_kib("VmHWM") - before) / 1024
+            peaks[name] = (status_kib("VmHWM") - before) / 1024
     return peaks
 
 
 def peaks_in_child(tasks: int, width: int, batch: int) -> dict[str, float]:
     """CPU peaks measured in a fresh process whose allocator returns what it frees."""
     command = [sys.executable, __file__, "--memory-child", str(tasks), str(width), str(batch)]
-    env = os.environ | {
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "MALLOC_MMAP_THRESHOLD_": "65536",
-        "MALLOC_TRIM_THRESHOLD_": "0",
-        "MALLOC_ARENA_MAX": "1",
-    }
+    env = os.environ | MEASURING_CHILD_ENV
     output = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(output.stdout.strip().splitlines()[-1])
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import machine_info, machine_markdown, markdown_table, write_results
+from common import machine_info, machine_markdown, markdown_table, status_kib, write_results
 
 from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.runs import metric_keys as keys
@@ -74,13 +74,6 @@ WARMUP_EPOCHS = 1
 
 
 # --------------------------------------------------------------------------- child
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def cpu_jiffies() -> tuple[int, int]:
     """(steal, total) jiffies of all CPUs from /proc/stat: how much the hypervisor took."""
     fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
@@ -111,8 +104,8 @@ class TrainingStats(TrainerCallback):
     def on_train_start(self, trainer: Trainer) -> None:
         # Model, rewards and optimizer are built: reset the high-water mark so the
         # training phase's own peak can be told apart from loading.
-        self.stats["rss_before_training_kib"] = _status_kib("VmRSS")
-        self.stats["hwm_before_training_kib"] = _status_kib("VmHWM")
+        self.stats["rss_before_training_kib"] = status_kib("VmRSS")
+        self.stats["hwm_before_training_kib"] = status_kib("VmHWM")
         self.stats["trainable_parameters"] = sum(p.numel() for p in trainer.parameters)
         try:
             Path("/proc/self/clear_refs").write_text("5")
@@ -144,7 +137,7 @@ def child_main(stats_path: str, cli_args: list[str]) -> int:
     world = World.from_environment(config.model.device)
     Trainer(config, world, callbacks=[callback]).run()
     stats = callback.stats
-    stats["training_hwm_kib"] = _status_kib("VmHWM")
+    stats["training_hwm_kib"] = status_kib("VmHWM")
     stats["process_hwm_kib"] = max(stats["hwm_before_training_kib"], stats["training_hwm_kib"])
     Path(stats_path).write_text(json.dumps(stats))
     return 0

@@ -119,6 +119,26 @@ def publish(
         print(f"wrote {json_path} and {md_path}")
 
 
+def status_kib(field: str) -> int:
+    """A memory field of /proc/self/status (``VmRSS``, ``VmHWM``), in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+# For a child process that measures peak memory: one thread, and glibc returning freed
+# blocks of 64 KiB and more (mmap'ed, one arena, no trim threshold), so the high-water
+# mark follows what is alive rather than what the allocator keeps.
+MEASURING_CHILD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "MALLOC_TRIM_THRESHOLD_": "0",
+    "MALLOC_ARENA_MAX": "1",
+}
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
