@@ -83,16 +83,37 @@ def multi_digits(sizes: tuple[int, int, int], seed: int = 0) -> Problem:
     The upper-left digit sits at a random offset in [0, 2]^2, the lower-right one in
     [4, 6]^2, so they overlap by 2 to 6 pixels each way; each task reads one of them.
     """
+    splits = [
+        Split(pair.canvas, (pair.labels[pair.first], pair.labels[pair.second]))
+        for pair in _digit_pairs(sizes, seed)
+    ]
+    return Problem("multi-digits", MULTI_TASKS, *splits)
+
+
+@dataclass(frozen=True)
+class _DigitPair:
+    """One split's two-digit canvases and which pool digits (``first``, ``second``) they hold."""
+
+    canvas: torch.Tensor  # N x 1 x CANVAS x CANVAS
+    images: torch.Tensor  # the pool's digit images
+    labels: torch.Tensor  # the pool's labels
+    first: torch.Tensor  # upper-left digit of each canvas (pool indices)
+    second: torch.Tensor  # lower-right digit
+
+
+def _digit_pairs(sizes: tuple[int, int, int], seed: int) -> list[_DigitPair]:
+    """Train, validation and test canvases of two overlapping digits, one at an offset in
+    [0, 2]^2 and one in [4, 6]^2: what multi_digits and many_tasks share."""
     generator = torch.Generator().manual_seed(seed)
-    splits = []
+    pairs = []
     for (images, labels), count in zip(_digit_pools(), sizes, strict=True):
         first = torch.randint(len(labels), (count,), generator=generator)
         second = torch.randint(len(labels), (count,), generator=generator)
         canvas = torch.zeros(count, CANVAS, CANVAS)
         _paste(canvas, images[first], *_offsets(count, 0, 2, generator))
         _paste(canvas, images[second], *_offsets(count, 4, 6, generator))
-        splits.append(Split(canvas.unsqueeze(1), (labels[first], labels[second])))
-    return Problem("multi-digits", MULTI_TASKS, *splits)
+        pairs.append(_DigitPair(canvas.unsqueeze(1), images, labels, first, second))
+    return pairs
 
 
 INK_SCALE = 16.0  # the target is ink in raw load_digits units (0..16 per pixel), ~300 per digit
@@ -149,16 +170,10 @@ def many_tasks(sizes: tuple[int, int, int], seed: int = 0) -> Problem:
     many objectives competing for little capacity at scales four orders of magnitude
     apart, where how a method weighs them should show beyond seed noise.
     """
-    generator = torch.Generator().manual_seed(seed)
     splits = []
-    for (images, labels), count in zip(_digit_pools(), sizes, strict=True):
-        first = torch.randint(len(labels), (count,), generator=generator)
-        second = torch.randint(len(labels), (count,), generator=generator)
-        canvas = torch.zeros(count, CANVAS, CANVAS)
-        _paste(canvas, images[first], *_offsets(count, 0, 2, generator))
-        _paste(canvas, images[second], *_offsets(count, 4, 6, generator))
-        upper, lower = labels[first], labels[second]
-        ink = images.sum(dim=(1, 2)) * INK_SCALE
+    for pair in _digit_pairs(sizes, seed):
+        upper, lower = pair.labels[pair.first], pair.labels[pair.second]
+        ink = pair.images.sum(dim=(1, 2)) * INK_SCALE
         targets = (
             upper,
             lower,
@@ -170,10 +185,10 @@ def many_tasks(sizes: tuple[int, int, int], seed: int = 0) -> Problem:
             (upper % 2 == lower % 2).float(),
             (upper + lower).float(),
             (upper * lower).float() / 81.0,
-            ink[first],
-            ink[second] / 1000.0,
+            ink[pair.first],
+            ink[pair.second] / 1000.0,
         )
-        splits.append(Split(canvas.unsqueeze(1), targets))
+        splits.append(Split(pair.canvas, targets))
     return Problem("many-tasks", MANY_TASKS, *splits)
 
 
