@@ -8,8 +8,8 @@ import torch
 
 from mogradient.harmonizers.imtlg import IMTLG
 from mogradient.scalarizations._shared import redirect_shared, shared_gradients, shared_parameters
-from mogradient.scalarizations.base import Scalarization, ScalarizedLoss, check_at_least
-from mogradient.scalarizations.imtll import IMTLL
+from mogradient.scalarizations.base import Scalarization, ScalarizedLoss
+from mogradient.scalarizations.imtll import IMTLL, check_scalable
 
 
 class IMTL(Scalarization):
@@ -45,14 +45,7 @@ class IMTL(Scalarization):
         self._gradient_weighting = IMTLG()
 
     def check_domain(self, values: torch.Tensor) -> None:
-        check_at_least(
-            "IMTL",
-            values,
-            torch.zeros_like(values),
-            strict=False,
-            why="with a negative loss exp(s) * loss has no minimum and the scale diverges",
-            fix="shift that loss by its lower bound so it stays non-negative",
-        )
+        check_scalable("IMTL", values)
 
     def scalarize(self, losses: torch.Tensor) -> ScalarizedLoss:
         log_scales = self.loss_scales.log_scales.to(losses.dtype)

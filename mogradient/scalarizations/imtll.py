@@ -33,16 +33,21 @@ class IMTLL(Scalarization):
         self.log_scales = nn.Parameter(torch.full((num_tasks,), self.init))
 
     def check_domain(self, values: torch.Tensor) -> None:
-        check_at_least(
-            "IMTLL",
-            values,
-            torch.zeros_like(values),
-            strict=False,
-            why="with a negative loss exp(s) * loss has no minimum and the scale diverges",
-            fix="shift that loss by its lower bound so it stays non-negative",
-        )
+        check_scalable("IMTLL", values)
 
     def scalarize(self, losses: torch.Tensor) -> ScalarizedLoss:
         scales = torch.exp(self.log_scales)
         loss = (scales * losses).sum() - self.log_scales.sum()
         return ScalarizedLoss(loss, scales.detach().to(losses.dtype))
+
+
+def check_scalable(method: str, values: torch.Tensor) -> None:
+    """Losses a learned scale exp(s) may multiply: non-negative, or the scale diverges."""
+    check_at_least(
+        method,
+        values,
+        torch.zeros_like(values),
+        strict=False,
+        why="with a negative loss exp(s) * loss has no minimum and the scale diverges",
+        fix="shift that loss by its lower bound so it stays non-negative",
+    )
