@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0 -c $(CONSTRAINTS)
 	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,diffusion,mtl,docs]" -c $(CONSTRAINTS)
+	# LibMTL for the parity tests and the head-to-head; --no-deps: its release pins
+	# torchvision, which neither needs (its weighting package is loaded on its own).
+	$(PY) -m pip install --quiet --no-deps LibMTL==1.1.5 -c $(CONSTRAINTS)
 	touch $(STAMP)
 
 # The main job: MARBLE in miniature, quick mode (base vs weighted sum vs MARBLE).
@@ -71,9 +74,8 @@ bench-gpu: $(STAMP)
 	$(PY) benchmarks/bench_gpu.py --shape sd35m
 
 # Multi-task head-to-head vs TorchJD and LibMTL on scikit-learn's digits (5 seeds; ~23 min on
-# a shared 2-core machine). LibMTL 1.1.5 pins torchvision, which it does not need here.
+# a shared 2-core machine).
 mtl: $(STAMP)
-	$(PY) -m pip install --quiet --no-deps LibMTL==1.1.5 -c $(CONSTRAINTS)
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.mtl.run
 
 clean:
