@@ -68,7 +68,8 @@ def mtl_backward(
     trunk's gradient, in the order of the shared parameters (given, or as found in the
     graph).
 
-    ``mode="features"`` is MGDA-UB (Sener & Koltun 2018, Section 3.3): the harmonizer's
+    ``mode="features"`` is MGDA-UB (Sener & Koltun 2018, NeurIPS; the name the authors'
+    code, isl-org/MultiObjectiveOptimization, gives the method): the harmonizer's
     weights w are computed on the K gradients w.r.t. the features (flattened over the
     batch), and the trunk gets one backward of ``sum_k w_k loss_k``, exactly that weighted
     sum's gradient. This is the paper's upper-bound approximation, NOT the harmonization

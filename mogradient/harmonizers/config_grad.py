@@ -13,12 +13,14 @@ from mogradient.harmonizers.upgrad import preferences_for
 
 
 class ConFIG(Harmonizer):
-    """Conflict-free inverse gradients (Liu et al. 2024, ConFIG, Towards Conflict-free PINNs).
+    """Conflict-free inverse gradients (Liu, Chu and Thuerey, ConFIG: Towards Conflict-free
+    Training of Physics Informed Neural Networks, ICLR 2025; arXiv 2408.11104).
 
-    Eq. 2 of the paper: with U the stack of unit gradients u_k = g_k / ||g_k||, the
-    target t = U^+ p (p = 1 by default, else ``pref_vector``) solves u_k . t = p_k, so
-    with p = 1 it makes the same angle with every gradient; the update is its unit
-    vector scaled to the sum of the gradients' projections on it:
+    The update of the paper's Sec. 3 (Method), as the authors' repository tum-pbs/ConFIG
+    writes it (README, docs/start/theory.md): with U the stack of unit gradients
+    u_k = g_k / ||g_k||, the target t = U^+ p (p = 1 by default, else ``pref_vector``)
+    solves u_k . t = p_k, so with p = 1 it makes the same angle with every gradient; the
+    update is its unit vector scaled to the sum of the gradients' projections on it:
     d = (sum_k g_k . t / ||t||) t / ||t||. For linearly independent gradients and
     p > 0 every g_k . d > 0: no objective's loss increases to first order.
 

@@ -13,16 +13,17 @@ from mogradient.harmonizers.mgda import MGDA
 
 
 class CRMOGM(Harmonizer):
-    """Correlation-reduced multi-objective gradient manipulation (Zhou, Zhang, Jiang, Yi
-    and Chen 2022, On the Convergence of Stochastic Multi-Objective Gradient Manipulation
-    and Beyond).
+    """Correlation-reduced multi-objective gradient manipulation (Zhou, Zhang, Jiang, Zhong,
+    Gu and Zhu, On the Convergence of Stochastic Multi-Objective Gradient Manipulation and
+    Beyond, NeurIPS 2022).
 
     Weights computed from the same stochastic gradients they multiply are correlated with
     them, which biases stochastic MGDA-type updates; a moving average of the weights,
     lambda_t = alpha lambda_(t-1) + (1 - alpha) lambda^_t, with lambda^_t the weights of
-    ``inner`` (plain MGDA by default, the paper's main instance), reduces that correlation.
-    The paper lets alpha_t grow towards 1 as the learning rate decays: ``alpha`` may be
-    changed between calls (e.g. ``1 - lr / initial_lr``).
+    ``inner`` (plain MGDA by default), reduces that correlation; the paper's abstract
+    describes it as an exponential average of the past weights. ``alpha`` may be changed
+    between calls to follow a schedule, e.g. ``1 - lr / initial_lr``, growing towards 1 as
+    the learning rate decays.
 
     lambda is kept per objective in the caller's numbering: an objective seen for the first
     time starts from ``initial_weights[k]`` if given, else from lambda^_t (so the first call

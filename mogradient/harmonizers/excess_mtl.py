@@ -15,17 +15,20 @@ _LARGEST = torch.finfo(torch.float64).max
 
 
 class ExcessMTL(Harmonizer):
-    """Excess-risk weighting (He, Zhou, Zhang, Zhao and Sun 2024, Robust Multi-Task Learning
-    with Excess Risks; ICML 2024).
+    """Excess-risk weighting (He, Zhou, Zhang, Yun, Xu, Zeng, Chilimbi and Zhao, Robust
+    Multi-Task Learning with Excess Risks, ICML 2024; arXiv 2402.02009).
 
     Objective k's excess risk (its loss above its own optimum) is estimated from a local
     quadratic model, E_k = g_k^T H_k^-1 g_k with H_k = diag(sqrt(sum_t g_(k,t)^2)) the
-    AdaGrad diagonal of its gradients so far (eqs. 6-7), and divided by its value at the
-    start, which makes objectives of any scale comparable (Section 3.2). The weights take
-    one exponentiated-gradient step on the simplex, lambda_k <- lambda_k exp(eta r_k),
-    renormalized (eq. 9; ``step_size`` is eta). During the first ``warmup_steps`` calls the
-    weights stay uniform and each objective's estimates are averaged into its baseline
-    (Appendix C.1 suggests three epochs).
+    AdaGrad diagonal of its gradients so far, and divided by its value at the start,
+    which makes objectives of any scale comparable. The weights take one
+    exponentiated-gradient step on the simplex, lambda_k <- lambda_k exp(eta r_k),
+    renormalized (``step_size`` is eta). All three steps are those of the authors' code
+    (yifei-he/ExcessMTL, LibMTL/LibMTL/weighting/ExcessMTL.py), which renormalizes the
+    weights to sum to K where these sum to 1. During the first ``warmup_steps`` calls the
+    weights stay uniform and each objective's estimates are averaged into its baseline;
+    ``warmup_steps=1`` is the authors' code's schedule (its baseline is the first call's
+    estimate, its first update the second call's).
 
     Not Gram-only: H_k is per parameter, so the method reads the stack itself. Calling it
     with ``gram=`` raises, and so does a wrapper that calls :meth:`weigh` without the stack.
@@ -36,16 +39,17 @@ class ExcessMTL(Harmonizer):
     warm-up sums and baseline; an objective first seen after the warm-up takes its first
     estimate as baseline.
 
-    Differences from TorchJD 0.18's ``ExcessMTLWeighting`` (and the official code): (i) its
-    default ``n_warmup_steps=0`` updates on the first call with the raw estimate, a quantity
+    Differences from TorchJD 0.18's ``ExcessMTLWeighting``: (i) its default
+    ``n_warmup_steps=0`` updates on the first call with the raw estimate, a quantity
     in units of the gradient, so the weights depend on the gradients' scale and saturate
     to a vertex, for good, once gradients are large. Every update here uses the normalized
     estimate, with a warm-up of at least one call: ``warmup_steps=n`` equals TorchJD's
     ``n_warmup_steps=n`` for n >= 1 (the default 1 is its 1). (ii) TorchJD adds 1e-7 under
-    the square root of H and to the baseline, absolute guards that make it scale-dependent.
-    Neither is needed: g_kj^2 / H_kj <= |g_kj| is taken as 0 where H_kj is 0, the root is
-    accumulated with hypot (no squares to over- or underflow), and a usable objective's
-    baseline is positive. The weights are thus exactly invariant to each objective's scale.
+    the square root of H (as the authors' code does) and to the baseline, absolute guards
+    that make it scale-dependent. Neither is needed: g_kj^2 / H_kj <= |g_kj| is taken as 0
+    where H_kj is 0, the root is accumulated with hypot (no squares to over- or underflow),
+    and a usable objective's baseline is positive. The weights are thus exactly invariant
+    to each objective's scale.
     """
 
     needs_stack = True

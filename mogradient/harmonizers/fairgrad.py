@@ -21,13 +21,16 @@ _STATIONARY_BELOW = 4 * np.finfo(float).eps
 
 
 class FairGrad(Harmonizer):
-    """Alpha-fair update direction (Ban & Ji 2024, Fair Resource Allocation in Multi-Task Learning).
+    """Alpha-fair update direction (Ban & Ji, Fair Resource Allocation in Multi-Task Learning,
+    ICML 2024; arXiv 2402.15638).
 
     The update d = sum_k w_k g_k maximizes sum_k (g_k . d)^(1 - alpha) / (1 - alpha)
-    (log for alpha = 1) over a ball; its optimality condition, the weight system of
-    Algorithm 1 (Sec. 3.2; TorchJD cites it as Eq. 4), is G w = w^(-1/alpha), w > 0. alpha = 0
-    is linear scalarization (w = 1/K, as the paper and TorchJD take it), alpha = 1
-    proportional fairness (Nash-MTL's system), alpha -> infinity max-min fairness.
+    (log for alpha = 1) over a ball; its optimality condition is the weight system
+    G w = w^(-1/alpha), w > 0, the one the authors' code solves (OptMN-Lab/fairgrad,
+    methods/weight_methods.py, ``FairGrad.fairgrad``: G w - (1/w)^(1/alpha) = 0 by bounded
+    least squares). alpha = 0 is linear scalarization, where that system is undefined; the
+    weights are then uniform, w = 1/K (as TorchJD takes them), alpha = 1 proportional
+    fairness (Nash-MTL's system), alpha -> infinity max-min fairness.
     Every g_k . d = w_k^(-1/alpha) is positive: the update conflicts with no objective.
 
     The system is the stationarity condition of the strictly convex

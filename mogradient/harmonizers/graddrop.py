@@ -13,7 +13,8 @@ from mogradient.harmonizers.base import seeded_generator
 class GradDrop(CoordinatewiseHarmonizer):
     """Gradient sign dropout (Chen et al. 2020, Just Pick a Sign: Gradient Sign Dropout).
 
-    Sec. 3 and Algorithm 1, lines 10-15: per coordinate, the positive sign purity
+    The paper's procedure as TorchJD and LibMTL implement it (no code from the authors was
+    found): per coordinate, the positive sign purity
     P = (1 + sum_k g_k / sum_k |g_k|) / 2 is the chance of keeping the positive values;
     with U ~ Uniform(0, 1) drawn per coordinate, the mask is
     M_k = [f(P) > U][g_k > 0] + [f(P) < U][g_k < 0] and the update is

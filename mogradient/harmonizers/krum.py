@@ -13,11 +13,12 @@ class Krum(Harmonizer):
     """Byzantine-tolerant selection (Blanchard et al. 2017, Machine Learning with Adversaries).
 
     Each gradient is scored by the sum of its squared distances to its K - f - 2 nearest
-    other gradients (Sec. 4, the score s(i) before Lemma 1; f = ``n_byzantine``), and
-    the gradient with the lowest score is the update: weight 1 on it, 0 elsewhere.
-    Multi-Krum (Sec. 5) averages the ``n_selected`` lowest-scored gradients. Ties go to
-    the lower index. The paper's resilience guarantee (Prop. 1) needs K > 2f + 2. Nothing
-    keeps the update free of conflict: it is one gradient, or a mean of some.
+    other gradients (f = ``n_byzantine``; at least one neighbour is needed), and the
+    gradient with the lowest score is the update: weight 1 on it, 0 elsewhere. Multi-Krum
+    averages the ``n_selected`` lowest-scored gradients. Score and selection are those of
+    EPFL's Multi-Krum in AggregaThor (LPD-EPFL/AggregaThor, aggregators/krum.py). Ties go
+    to the lower index. Nothing keeps the update free of conflict: it is one gradient, or
+    a mean of some.
 
     Distances come from the Gram as ||g_i - g_j||^2 = (n_i - n_j)^2 + 2 n_i n_j (1 - c_ij)
     (n the norms, c the cosines), which has no cancellation between the squared norms,

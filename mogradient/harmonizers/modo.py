@@ -14,28 +14,30 @@ from mogradient.harmonizers.base import Harmonizer, WeighResult
 
 
 class MoDo(Harmonizer):
-    """Multi-objective gradient with double sampling (Chen, Fernando, Ying and Chen 2023,
+    """Multi-objective gradient with double sampling (Chen, Fernando, Ying and Chen,
     Three-Way Trade-Off in Multi-Objective Learning: Optimization, Generalization and
-    Conflict-Avoidance; JMLR 2024).
+    Conflict-Avoidance, NeurIPS 2023; arXiv 2305.20057).
 
     Instead of solving MGDA's min-norm problem anew, the weights lambda take one projected
     gradient step per call on 1/2 ||J^T lambda||^2 + rho/2 ||lambda||^2 over the simplex,
-    lambda <- Proj(lambda - gamma (J J^T lambda + rho lambda)) (eq. 2.9a), and are the
-    weights of the update (eq. 2.9b). lambda starts uniform and is kept per objective
+    lambda <- Proj(lambda - gamma (J J^T lambda + rho lambda)), and are the weights of the
+    update: the two steps of the authors' code (heshandevaka/Trade-Off-MOL,
+    LibMTL/LibMTL/weighting/MoDo.py). lambda starts uniform and is kept per objective
     (:class:`~mogradient.harmonizers._simplex.ObjectiveWeights`).
 
-    Variant forced by the single-stack contract: the paper, and TorchJD's ``MoDoWeighting``,
-    form J_1 J_2^T from two independent mini-batches, an unbiased estimate of the Gram of
-    the expected gradients. A harmonizer sees one stack, so J J^T serves as both; with
-    stochastic gradients it is biased by their covariance (exact for full-batch gradients).
+    Variant forced by the single-stack contract: the authors' code, and TorchJD's
+    ``MoDoWeighting``, form J_1 J_2^T from two independent mini-batches, an unbiased
+    estimate of the Gram of the expected gradients. A harmonizer sees one stack, so J J^T
+    serves as both; with stochastic gradients it is biased by their covariance (exact for
+    full-batch gradients).
 
-    gamma is in units of 1 / |g|^2: the update, the paper's and TorchJD's, is not
+    gamma is in units of 1 / |g|^2: the update, the authors' and TorchJD's, is not
     scale-invariant (large gradients send lambda to a vertex in one step, tiny ones leave
     it in place). It is evaluated exactly at any scale: G lambda is formed in each
     gradient's units and scaled back entrywise; where gamma G lambda overflows float64
     (gradients beyond ~1e154) lambda is its limit, the projection of
     (1 - gamma rho) lambda onto the face of the simplex where G lambda is least.
-    Defaults follow TorchJD (gamma 0.1, rho 0.1).
+    Defaults follow TorchJD and the authors' code (gamma 0.1, rho 0.1).
     """
 
     def __init__(self, gamma: float = 0.1, rho: float = 0.1) -> None:

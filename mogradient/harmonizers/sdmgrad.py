@@ -14,20 +14,21 @@ from mogradient.harmonizers.upgrad import preferences_for
 
 
 class SDMGrad(Harmonizer):
-    """Stochastic direction-oriented multi-objective gradient (Xiao, Ban and Ji 2023,
-    Direction-oriented Multi-objective Learning: Simple and Provable Stochastic Algorithms).
+    """Stochastic direction-oriented multi-objective gradient (Xiao, Ban and Ji,
+    Direction-oriented Multi-objective Learning: Simple and Provable Stochastic Algorithms,
+    NeurIPS 2023; arXiv 2305.18409).
 
     The common direction is kept near a target direction J^T w~ (w~ the preference
     vector, uniform by default: the mean gradient) by a regularization of strength lambda:
     w minimizes 1/2 ||J^T (w + lambda w~)||^2 over the simplex, and the direction is
     J^T (w + lambda w~) / (1 + lambda) (lambda = 0: MGDA; lambda -> infinity: J^T w~).
-    Each call takes ``n_iter`` projected SGD steps with heavy-ball momentum on w
-    (Algorithm 1's inner loop; momentum from the authors' code), warm-started from the
-    previous call's w, which is kept per objective; the weights returned are
-    (w + lambda w~) / (1 + lambda). As in the authors' code (their Section 6.1) the Gram is
+    Each call takes ``n_iter`` projected SGD steps with heavy-ball momentum on w,
+    warm-started from the previous call's w, which is kept per objective; the weights
+    returned are (w + lambda w~) / (1 + lambda). As in the authors' code (OptMN-Lab/sdmgrad,
+    methods/weight_methods.py, ``SDMGrad.sdmgrad``, which these steps follow) the Gram is
     first divided by the squared mean gradient norm, which makes ``lr`` scale-free.
 
-    Variant forced by the single-stack contract: the paper, and TorchJD's
+    Variant forced by the single-stack contract: the authors' code, and TorchJD's
     ``SDMGradWeighting``, use J_1 J_2^T from two independent mini-batches in the w-update.
     A harmonizer sees one stack, so J J^T serves as both; with stochastic gradients it is
     biased by their covariance (exact for full-batch gradients).
@@ -37,8 +38,8 @@ class SDMGrad(Harmonizer):
     base class only passes non-zero gradients, so we divide by (mean norm)^2 itself and the
     weights are exactly invariant to a common scale of the gradients; both are computed in
     each gradient's units (:class:`~mogradient._gram.CosineGram`), so they stay exact at any
-    spread. Defaults follow TorchJD and the authors' experiments (lr 10, momentum 0.5,
-    20 steps, lambda 0.3). A ``pref_vector`` gives one entry per objective; when some are
+    spread. Defaults follow TorchJD and the authors' code and run scripts (lr 10, momentum
+    0.5, 20 steps, lambda 0.3). A ``pref_vector`` gives one entry per objective; when some are
     dropped the rest are rescaled to keep its total.
     """
 

@@ -10,7 +10,7 @@ from mogradient.harmonizers._coordinatewise import SPAN_COLUMNS, CoordinatewiseH
 class TrimmedMean(CoordinatewiseHarmonizer):
     """Coordinate-wise trimmed mean (Yin et al. 2018, Byzantine-Robust Distributed Learning).
 
-    Definition 2 (option II of Algorithm 1): in every coordinate the ``trim_number``
+    The paper's coordinate-wise trimmed mean: in every coordinate the ``trim_number`` b
     largest and smallest of the K values are removed and the other K - 2b averaged.
     Each coordinate of the update lies between the (b+1)-th smallest and (b+1)-th
     largest of the gradients' values there, so b gradients cannot move it outside the

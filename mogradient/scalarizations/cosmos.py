@@ -8,7 +8,7 @@ from mogradient.scalarizations.base import Scalarization, ScalarizedLoss, non_ne
 
 
 class COSMOS(Scalarization):
-    """Conditioned one-shot multi-objective search (Ruchte & Grabocka 2021, ICDM, eq. 5).
+    """Conditioned one-shot multi-objective search (Ruchte & Grabocka 2021, ICDM).
 
     Each step draws a preference r from a symmetric Dirichlet(``concentration``), the
     model sees r with its input (concatenated to it, say), and the loss is the linear
@@ -22,9 +22,9 @@ class COSMOS(Scalarization):
     independent of torch's global RNG. The gradient is
     d loss / d L = r - lam (r / (|r| |L|) - (r . L) L / (|r| |L|^3)), which is
     ``weights``; ``extras["cosine"]`` is cos(r, L). The loss vector must not be all
-    zeros (no cosine). The formula is TorchJD's, which cites the paper's eq. 5 and its
-    official code; I could not check the paper's text. State in ``state_dict``: the
-    generator's state, the current preference and whether one was drawn.
+    zeros (no cosine). The draw and the loss are those of the authors' code
+    (ruchtem/cosmos, multi_objective/methods/cosmos/cosmos.py). State in ``state_dict``:
+    the generator's state, the current preference and whether one was drawn.
     """
 
     def __init__(

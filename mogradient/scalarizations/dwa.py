@@ -8,15 +8,16 @@ from mogradient.scalarizations.base import Scalarization, ScalarizedLoss, positi
 
 
 class DWA(Scalarization):
-    """Dynamic weight average (Liu, Johns & Davison 2019, CVPR, MTAN, eq. 7).
+    """Dynamic weight average (Liu, Johns & Davison 2019, CVPR, MTAN; arXiv 1803.10704).
 
     The loss is sum_k lambda_k L_k with lambda = K softmax(r / T), where
     r_k = L_k(t-1) / L_k(t-2) is the ratio of task k's average loss over the last two
     epochs: a task whose loss stopped falling (r near 1 or above) gets more weight. The
     weights are constants in the backward pass, and uniform (1) until two epochs have
-    been averaged. Call :meth:`end_epoch` once at the end of every epoch; calling it
-    every step gives the per-step variant some implementations use. ``temperature`` T
-    defaults to 2, the paper's; larger is more uniform.
+    been averaged: the rule of the authors' code (lorenmt/mtan, im2im_pred/utils.py). Call
+    :meth:`end_epoch` once at the end of every epoch; calling it every step gives the
+    per-step variant some implementations use. ``temperature`` T defaults to 2, the
+    authors' code's default; larger is more uniform.
 
     State (in ``state_dict``): the running sum of this epoch's losses, its batch count,
     and the last two epoch averages. The ratio needs positive averages.

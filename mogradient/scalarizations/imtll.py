@@ -11,18 +11,17 @@ from mogradient.scalarizations.base import Scalarization, ScalarizedLoss, check_
 
 
 class IMTLL(Scalarization):
-    """IMTL-L (Liu et al. 2021, ICLR, Towards Impartial Multi-task Learning, Sec. 3.2).
+    """IMTL-L (Liu et al. 2021, ICLR, Towards Impartial Multi-task Learning).
 
     Each task's loss is scaled by a learned exp(s_k), with -s_k as a regularizer:
     sum_k exp(s_k) L_k - s_k. Minimizing over s_k gives exp(s_k) = 1 / L_k, so every
     scaled loss is driven towards 1 and no task dominates by the size of its loss alone.
-    It is UW with the sign of the parameter flipped and without the factor 1/2 (the paper
-    derives it without a likelihood). The gradient-balancing half, IMTL-G, is the
-    :class:`~mogradient.IMTLG` harmonizer.
+    It is UW with the sign of the parameter flipped and without the factor 1/2. The
+    gradient-balancing half, IMTL-G, is the :class:`~mogradient.IMTLG` harmonizer.
 
     The log-scales are parameters: add ``parameters()`` to the optimizer (without weight
-    decay). They start at ``init`` (0: the plain sum, as in the paper and TorchJD). A
-    negative loss makes exp(s_k) L_k unbounded below, so losses must be non-negative.
+    decay). They start at ``init`` (0: the plain sum, as in TorchJD). A negative loss
+    makes exp(s_k) L_k unbounded below, so losses must be non-negative.
     """
 
     def __init__(self, num_tasks: int, init: float = 0.0) -> None:

@@ -15,7 +15,7 @@ from mogradient.scalarizations.base import (
 
 
 class PBI(Scalarization):
-    """Penalty-based boundary intersection (Zhang & Li 2007, MOEA/D, IEEE TEC, Sec. II-C).
+    """Penalty-based boundary intersection (Zhang & Li 2007, MOEA/D, IEEE TEC).
 
     With the losses measured from a reference point z and p the unit preference
     direction, d1 = (L - z) . p is the progress along the ray and
@@ -24,12 +24,12 @@ class PBI(Scalarization):
     solutions over the front. The weights are p + theta (L - z - d1 p) / d2: a task that
     is ahead of the ray gets a negative weight (it is pushed back towards the ray).
 
-    ``theta`` defaults to 5, the paper's setting. ``preferences`` default to uniform,
-    ``reference`` (an ideal point, a lower bound on the losses) to 0; either fixes
-    ``num_tasks``. The paper writes d1 as a norm (absolute value); the signed projection
-    here is the same while the losses stay above the reference, and keeps descending if
-    they do not. d2 is not differentiable on the ray itself: there its gradient is taken
-    as 0 (the subgradient torch's norm uses), with no smoothing constant.
+    ``theta`` defaults to 5. ``preferences`` default to uniform, ``reference`` (an ideal
+    point, a lower bound on the losses) to 0; either fixes ``num_tasks``. d1 is the signed
+    projection: its absolute value gives the same loss while the losses stay above the
+    reference, but would push them back up once they pass it. d2 is not differentiable
+    on the ray itself: there its gradient is taken as 0 (the subgradient torch's norm
+    uses), with no smoothing constant.
     """
 
     def __init__(

@@ -15,19 +15,22 @@ from mogradient.scalarizations.base import (
 
 
 class STCH(Scalarization):
-    """Smooth Tchebycheff scalarization (Lin et al. 2024, ICML).
+    """Smooth Tchebycheff scalarization (Lin et al. 2024, ICML; arXiv 2402.19078).
 
     Tchebycheff scalarization minimizes the weighted worst loss max_k p_k (L_k - z_k),
     whose optima cover the whole Pareto front (convex or not) but whose gradient jumps
-    between tasks. STCH replaces the max by mu log sum_k exp(p_k (L_k - z_k) / mu)
-    (the paper's smooth Tchebycheff function, Sec. 3), which is smooth, lies within
-    mu log K above the max, and weighs each task by a softmax of its weighted excess:
-    the worst task gets most of the weight, how much depending on ``mu``.
+    between tasks. STCH replaces the max by mu log sum_k exp(p_k (L_k - z_k) / mu), the
+    smooth Tchebycheff function as the authors' code computes it (Xi-L/STCH,
+    STCH_PSL/run_stch_psl.py), which is smooth, lies within mu log K above the max, and
+    weighs each task by a softmax of its weighted excess: the worst task gets most of the
+    weight, how much depending on ``mu``.
 
-    ``mu`` (required: the paper finds no single best value and reports small ones, 0.01
-    to 1, working well). ``preferences`` p default to uniform 1/K; ``reference`` z (the
-    ideal point, a lower bound on the losses) defaults to 0. Either fixes ``num_tasks``.
-    Computed with the largest term factored out, so small ``mu`` cannot overflow.
+    ``mu`` is required: the authors' code uses 1 for multi-task learning (the default of
+    its STCH_MTL, which applies STCH to log(L_k / n_k), n the losses averaged over a
+    warm-up epoch) and 0.01 for Pareto set learning. ``preferences`` p default to uniform
+    1/K; ``reference`` z (the ideal point, a lower bound on the losses) defaults to 0.
+    Either fixes ``num_tasks``. Computed with the largest term factored out, so small
+    ``mu`` cannot overflow.
     """
 
     def __init__(

@@ -15,16 +15,16 @@ class UW(Scalarization):
 
     Each task is read as a Gaussian likelihood with its own learned noise sigma_k: the loss
     is the joint negative log-likelihood sum_k exp(-s_k) L_k / 2 + s_k / 2 with
-    s_k = log sigma_k^2 (eq. 7 for two regression tasks; the paper learns the log-variance
-    for stability, Sec. 3.2). A task with a large loss earns a large sigma and a small
-    weight exp(-s_k) / 2; the s_k / 2 term keeps sigma from growing without bound. At the
-    optimum over s, exp(s_k) = L_k, so each task's gradient is scaled by 1 / (2 L_k).
-    (Eq. 10's classification form drops the 1/2 on a classification loss; give that task
-    twice its loss to get it.)
+    s_k = log sigma_k^2, the log-variance being learned rather than the variance (as in
+    TorchJD, and in the MTAN authors' implementation of this method, lorenmt/mtan,
+    im2im_pred/utils.py). A task with a large loss earns a large sigma and a small weight
+    exp(-s_k) / 2; the s_k / 2 term keeps sigma from growing without bound. At the optimum
+    over s, exp(s_k) = L_k, so each task's gradient is scaled by 1 / (2 L_k). (To weigh a
+    task by exp(-s_k) without the 1/2, give it twice its loss.)
 
     The log-variances are parameters: add ``parameters()`` to the optimizer (without weight
     decay, which would pull them to zero). ``init`` is their starting value: 0 (weights
-    1/2) as in the paper and TorchJD; LibMTL starts at -0.5. A negative loss makes the
+    1/2) as in TorchJD; LibMTL starts at -0.5. A negative loss makes the
     objective unbounded below in s_k, so losses must be non-negative.
     """
 
