@@ -88,7 +88,10 @@ def simplex_projection(point: np.ndarray) -> np.ndarray:
 
 
 def modo_reference(stacks: list[torch.Tensor], gamma: float, rho: float) -> np.ndarray:
-    """Chen et al. 2023, eq. 2.9a, one sample: lambda <- Proj(lambda - gamma (G + rho) lambda)."""
+    """MoDo (Chen et al. 2023, the authors' code), one sample.
+
+    lambda <- Proj(lambda - gamma (G + rho) lambda).
+    """
     count = stacks[0].shape[0]
     weights = np.full(count, 1.0 / count)
     history = []
@@ -109,7 +112,9 @@ def sdmgrad_reference(
     guard: float = 0.0,
     perturbation: int | None = None,
 ) -> np.ndarray:
-    """Xiao et al. 2023, Algorithm 1's w-loop with one sample; ``guard`` is TorchJD's 1e-8.
+    """SDMGrad (Xiao et al. 2023, the authors' code): the w-loop with one sample.
+
+    ``guard`` is TorchJD's 1e-8.
 
     ``perturbation`` seeds a round-off sized relative change of the normalized Gram.
     """
@@ -137,7 +142,7 @@ def sdmgrad_reference(
 def excess_mtl_reference(
     stacks: list[torch.Tensor], step_size: float, warmup: int, guard: float = 0.0
 ) -> np.ndarray:
-    """He et al. 2024, eqs. 6-7 and 9 with a warm-up baseline (Appendix C.1); ``guard`` is
+    """ExcessMTL (He et al. 2024, the authors' code) with a warm-up baseline; ``guard`` is
     TorchJD's 1e-7 under the square root and on the baseline."""
     count, dim = stacks[0].shape
     squares = np.zeros((count, dim))

@@ -87,7 +87,10 @@ def float32_bound(stack: torch.Tensor, power: int = 1) -> float:
 
 
 def config_reference(stack: np.ndarray, preferences: np.ndarray | None = None) -> np.ndarray:
-    """Eq. 2 of the paper on the stack: t = pinv(unit rows) p, scaled to sum_k g_k . t/||t||."""
+    """ConFIG on the stack (the authors' README).
+
+    t = pinv(unit rows) p, scaled to sum_k g_k . t/||t||.
+    """
     units = stack / np.linalg.norm(stack, axis=1, keepdims=True)
     target = np.linalg.pinv(units) @ (np.ones(len(stack)) if preferences is None else preferences)
     unit_target = target / np.linalg.norm(target)
@@ -339,7 +342,7 @@ def test_trimmed_mean_matches_sort_and_trim_and_torchjd(stack: torch.Tensor, tri
 def graddrop_reference(
     stack: np.ndarray, draws: np.ndarray, leak: np.ndarray | None = None
 ) -> np.ndarray:
-    """Sec. 3 of the paper, coordinate by coordinate, with the uniform draws U given."""
+    """GradDrop coordinate by coordinate, with the uniform draws U given."""
     leak = np.zeros(len(stack)) if leak is None else leak
     total, size = stack.sum(axis=0), np.abs(stack).sum(axis=0)
     purity = 0.5 * (1 + np.divide(total, size, out=np.zeros_like(total), where=size > 0))

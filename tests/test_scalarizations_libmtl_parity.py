@@ -13,7 +13,7 @@ Differences by design, asserted as such rather than hidden:
 
 * GradNorm. LibMTL learns logits z with w = K softmax(z), stepped by the training
   optimizer; we step w itself by gradient descent on L_grad, clip at zero and renormalize
-  to sum K (the paper's Algorithm 1), so one step of each from the same w lands elsewhere.
+  to sum K (as the paper does), so one step of each from the same w lands elsewhere.
   Both minimize the same L_grad: with LibMTL's logits set to log w before each step, the
   L_grad it backpropagates must equal ours, and its gradient on z must be the chain rule
   of ours on w, w * (q - (w . q) / K) with q = dL_grad/dw = sign(G - target) ||grad_W L||.

@@ -17,28 +17,29 @@ from mogradient.scalarizations.base import (
 
 
 class GradNorm(Scalarization):
-    """Gradient normalization (Chen et al. 2018, ICML, eq. 2 and Algorithm 1).
+    """Gradient normalization (Chen et al. 2018, ICML, arXiv 1711.02257).
 
     The loss is sum_k w_k L_k with learned weights. GradNorm wants the gradient norm
     G_k = ||grad_W (w_k L_k)|| of each weighted loss on the shared parameters W (the last
     shared layer, ``shared``) to be the mean norm times the task's relative inverse
     training rate: target_k = mean_j(G_j) r_k^alpha, r_k = L~_k / mean_j(L~_j) with
     L~_k = L_k / L_k(0). Each call steps the weights by plain gradient descent (rate ``lr``)
-    on L_grad = sum_k |G_k - target_k| (eq. 2, the targets held constant). Since
+    on L_grad = sum_k |G_k - target_k| (the targets held constant). Since
     G_k = w_k ||grad_W L_k|| for w_k >= 0, d L_grad / d w_k = sign(G_k - target_k) ||grad_W L_k||:
     first-order, no double backward. The weights are then clipped at zero and renormalized
-    to sum to K (Algorithm 1). A weight at zero is not stuck: its G_k = 0 is below its
+    to sum to K, as the paper does. A weight at zero is not stuck: its G_k = 0 is below its
     target, so the next step raises it.
 
-    As in Algorithm 1, the returned loss uses the weights from before this call's step;
-    the stepped weights serve the next call. ``weights`` is those w, ``extras`` holds
-    L_grad, the norms ||grad_W L_k||, the targets and the next weights. L(0) is the first
-    call's losses (kept in a buffer), so losses must be positive. ``alpha`` 1.5 is
-    LibMTL's default (the paper tunes it per problem). ``lr`` 0.025 is our choice: I
-    found no rate for w in the paper that I could check, and the equation and algorithm
-    numbers are the ones I was given, not checked against the paper's text. Every call
-    is a training step (it moves the weights). State in ``state_dict``: the weights, L(0)
-    and whether it is set. ``shared`` is held by reference and not part of the state.
+    As in the paper's training loop, the returned loss uses the weights from before this
+    call's step; the stepped weights serve the next call. ``weights`` is those w,
+    ``extras`` holds L_grad, the norms ||grad_W L_k||, the targets and the next weights.
+    L(0) is the first call's losses (kept in a buffer), so losses must be positive.
+    ``alpha`` 1.5 is LibMTL's default (the paper tunes it per problem). ``lr`` 0.025 is
+    our choice: no rate for w could be checked. LibMTL learns w as K softmax(z) instead,
+    stepped by the training optimizer; the two agree on L_grad
+    (tests/test_scalarizations_libmtl_parity.py). Every call is a training step (it moves
+    the weights). State in ``state_dict``: the weights, L(0) and whether it is set.
+    ``shared`` is held by reference and not part of the state.
     """
 
     def __init__(

@@ -21,7 +21,7 @@ NORM_EPS = 1e-8
 
 
 class MoCo(Scalarization):
-    """Stochastic multi-objective gradient correction (Fernando et al. 2023, ICLR, Algorithm 1).
+    """Stochastic multi-objective gradient correction (Fernando et al. 2023, ICLR).
 
     MGDA-type weights computed from one mini-batch's gradients are biased; MoCo tracks
     each task's gradient instead and moves the weights by small projected steps, which
@@ -36,11 +36,10 @@ class MoCo(Scalarization):
     loss is the surrogate sum_k lambda_k L_k + <d - sum_k lambda_k g_k, theta_shared> (the
     added term detached, its value zero): its backward gives the shared parameters d and
     every other parameter (the heads) the lambda-weighted gradient. ``weights`` is lambda,
-    d loss / d L_k; ``extras["direction"]`` is d. I follow the paper's update order (y,
-    then lambda from the new Y, then d) and its Euclidean projection onto the simplex; the
-    paper's projection of y_k onto a ball of radius L_k (a bound used in the analysis) is
-    left out. I could not check the paper's equation numbers, hence the reference to
-    Algorithm 1 only.
+    d loss / d L_k; ``extras["direction"]`` is d. The update order (y, then lambda from the
+    new Y, then d) and the Euclidean projection onto the simplex are those of the first
+    author's code (heshandevaka/Trade-Off-MOL, ``LibMTL/weighting/MoCo.py``); the
+    projection of y_k onto a ball of radius L_k (a bound for the analysis) is left out.
 
     Defaults are LibMTL's (beta 0.5, beta_sigma 0.5, gamma 0.1, gamma_sigma 0.5, rho 0),
     whose code follows the authors' and differs in two ways: lambda is renormalized by
