@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 import mogradient as mg
@@ -148,11 +149,18 @@ def libmtl_weighting_module() -> types.ModuleType:
 
 @dataclass
 class LibMTL:
-    """A LibMTL weighting's own ``backward`` (it computes the gradients itself)."""
+    """A LibMTL weighting's own ``backward`` (it computes the gradients itself).
+
+    Driven as LibMTL's Trainer drives it: its learnable loss scales (UW, GradNorm) are in
+    the training optimizer (:meth:`parameters`), and it sees ``epoch`` (0-based) and
+    ``train_loss_buffer`` (task x finished epoch: the epoch's mean training loss, the
+    losses taken before each step), which DWA and GradNorm read.
+    """
 
     class_name: str
     options: dict[str, Any] = field(default_factory=dict)
     _weighting: Any = field(default=None, repr=False)
+    _epoch_losses: list[list[float]] = field(default_factory=list, repr=False)
 
     def bind(self, model: MultiTaskNet) -> None:
         """Give the weighting the attributes LibMTL's model mixin would have given it."""
@@ -165,7 +173,15 @@ class LibMTL:
         # then breaks its own _reset_grad (param.grad.data = ...): zero in place instead.
         weighting.zero_grad_share_params = lambda: model.trunk.zero_grad(set_to_none=False)
         weighting.init_param()
+        weighting.epoch = 0
+        weighting.train_loss_buffer = np.zeros((len(model.heads), 0))
         self._weighting = weighting
+        self._epoch_losses.clear()
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        if self._weighting is None:
+            raise RuntimeError("bind(model) first: the weighting is built on the model")
+        return list(self._weighting.parameters())
 
     def backward(self, model, losses, features):
         if self._weighting is None:
@@ -173,8 +189,23 @@ class LibMTL:
         for parameter in model.shared_parameters():
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
+        self._epoch_losses.append([float(loss.detach()) for loss in losses])
         weights = self._weighting.backward(torch.stack(losses), **self.options)
         return torch.as_tensor(weights, dtype=torch.float64)
+
+    def end_epoch(self) -> None:
+        """The Trainer's bookkeeping: the epoch's mean losses join the buffer; epoch + 1.
+
+        The Trainer weighs each batch's loss by its size; every batch here is full, so
+        that is the plain mean.
+        """
+        if not self._epoch_losses:
+            return
+        mean = np.mean(self._epoch_losses, axis=0)[:, None]
+        weighting = self._weighting
+        weighting.train_loss_buffer = np.concatenate([weighting.train_loss_buffer, mean], axis=1)
+        weighting.epoch += 1
+        self._epoch_losses.clear()
 
 
 @dataclass(frozen=True)
@@ -235,6 +266,8 @@ GRADVAC_BETA = 0.01  # the paper's and ours; LibMTL's default is 0.5, TorchJD's 
 CAGRAD_C = 0.5
 FAIRGRAD_ALPHA = 1.0  # the paper's proportional fairness
 STCH_MU = 1.0  # the smoothing; the paper gives no single default
+DWA_TEMPERATURE = 2.0  # the paper's
+GRADNORM_ALPHA = 1.5  # LibMTL's default, ours too (the paper tunes it per problem)
 
 METHODS: dict[str, Spec] = {
     spec.label: spec
@@ -267,13 +300,17 @@ METHODS: dict[str, Spec] = {
         Spec("GradDrop", "mogradient", _ours(lambda k, s: mg.GradDrop(seed=s))),
         Spec("MGDA-UB", "mogradient", lambda k, s: OursFeatures(mg.MGDA(normalize=False))),
         Spec("UW", "mogradient", _scalar("uw")),
-        Spec("DWA", "mogradient", _scalar("dwa")),
+        Spec("DWA", "mogradient", _scalar("dwa", temperature=DWA_TEMPERATURE)),
         Spec("GLS", "mogradient", _scalar("gls")),
         Spec("IMTL-L", "mogradient", _scalar("imtll")),
         Spec("STCH", "mogradient", _scalar("stch", mu=STCH_MU)),
         Spec("PBI", "mogradient", _scalar("pbi")),
         Spec("FAMO", "mogradient", _scalar("famo")),
-        Spec("GradNorm", "mogradient", _scalar_on(_last_shared_layer, "gradnorm")),
+        Spec(
+            "GradNorm",
+            "mogradient",
+            _scalar_on(_last_shared_layer, "gradnorm", alpha=GRADNORM_ALPHA),
+        ),
         Spec("DB-MTL", "mogradient", _scalar_on(_trunk, "dbmtl")),
         Spec("IMTL", "mogradient", _scalar_on(_trunk, "imtl")),
         Spec("MoCo", "mogradient", _scalar_on(_trunk, "moco")),
@@ -300,6 +337,17 @@ METHODS: dict[str, Spec] = {
         Spec("LibMTL IMTL-G", "libmtl", _lib("IMTL")),
         # LibMTL 1.1.5's CAGrad hard-codes reshape(1, 3): it runs only with three tasks.
         Spec("LibMTL CAGrad", "libmtl", _lib("CAGrad", calpha=CAGRAD_C, rescale=1), only_tasks=3),
+        # LibMTL starts the log-variances at -0.5 (hard-coded in its init_param); ours at 0.
+        Spec("LibMTL UW", "libmtl", _lib("UW")),
+        Spec("LibMTL DWA", "libmtl", _lib("DWA", T=DWA_TEMPERATURE)),
+        # LibMTL's GLS reports L_k / (K prod L) as its weights, not the factor its loss
+        # gives each gradient, G / (K L_k): the weights plot shows what it reports.
+        Spec("LibMTL GLS", "libmtl", _lib("GLS")),
+        # LibMTL's GradNorm: equal weights in epoch 0 (whose mean losses are its L(0)), then
+        # K softmax(s) with s stepped by the training Adam, norms on all shared parameters.
+        Spec("LibMTL GradNorm", "libmtl", _lib("GradNorm", alpha=GRADNORM_ALPHA)),
+        # No LibMTL GradDrop: it asserts rep_grad=True (per-task copies of the representation
+        # from LibMTL's own model); TorchJD's GradDrop row is the library comparison.
     ]
 }
 
