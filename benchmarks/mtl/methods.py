@@ -127,6 +127,42 @@ class Scalarized:
         self.method.end_epoch()
 
 
+@dataclass
+class TorchJDScalarized:
+    """A TorchJD scalarizer: one backward of the loss it makes of the K losses.
+
+    TorchJD's scalarizers return the loss alone, so there are no weights to record. Their
+    learned scales (UW's log-variances, IMTL-L's log-scales) are stepped by the training
+    Adam, as ours are; FAMO's logits are not, since FAMO steps them with its own Adam in
+    ``update`` (the losses after the step, same batch); DWA rolls its epoch history in
+    ``step()`` at the end of every epoch.
+    """
+
+    scalarizer: Any
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        from torchjd.scalarization import FAMO
+
+        return [] if isinstance(self.scalarizer, FAMO) else list(self.scalarizer.parameters())
+
+    def backward(self, model, losses, features):
+        self.scalarizer(torch.stack(losses)).backward()
+        return None
+
+    def after_step(self, recompute_losses: Callable[[], list[torch.Tensor]]) -> None:
+        from torchjd.scalarization import FAMO
+
+        if isinstance(self.scalarizer, FAMO):
+            with torch.no_grad():
+                self.scalarizer.update(torch.stack(recompute_losses()))
+
+    def end_epoch(self) -> None:
+        from torchjd.scalarization import DWA
+
+        if isinstance(self.scalarizer, DWA):
+            self.scalarizer.step()
+
+
 def bind(method: Method | None, model: MultiTaskNet) -> None:
     """Let a method that is built on the model (scalarizations, LibMTL's) see it first."""
     binder = getattr(method, "bind", None)
@@ -228,6 +264,29 @@ def _tjd(name: str, **options: Any) -> Callable[[int, int], Method]:
     return build
 
 
+def _tjd_gramian(factory: Callable[[types.ModuleType], Any]) -> Callable[[int, int], Method]:
+    """A weighting TorchJD ships without an aggregator (``factory(torchjd.aggregation)``),
+    given the Gram J J^T of the one stack, as our harmonizer is."""
+
+    def build(num_tasks: int, seed: int) -> Method:
+        import torchjd.aggregation as aggregation
+
+        return TorchJD(aggregation.GramianWeightedAggregator(factory(aggregation)))
+
+    return build
+
+
+def _tjd_scalar(factory: Callable[[types.ModuleType, int], Any]) -> Callable[[int, int], Method]:
+    """A TorchJD scalarizer: ``factory(torchjd.scalarization, num_tasks)``."""
+
+    def build(num_tasks: int, seed: int) -> Method:
+        import torchjd.scalarization as scalarization
+
+        return TorchJDScalarized(factory(scalarization, num_tasks))
+
+    return build
+
+
 def _ours(factory: Callable[[int, int], mg.Harmonizer]) -> Callable[[int, int], Method]:
     return lambda num_tasks, seed: Ours(factory(num_tasks, seed))
 
@@ -266,6 +325,7 @@ GRADVAC_BETA = 0.01  # the paper's and ours; LibMTL's default is 0.5, TorchJD's 
 CAGRAD_C = 0.5
 FAIRGRAD_ALPHA = 1.0  # the paper's proportional fairness
 STCH_MU = 1.0  # the smoothing; the paper gives no single default
+PBI_THETA = 5.0  # MOEA/D's setting; ours and TorchJD's
 DWA_TEMPERATURE = 2.0  # the paper's
 GRADNORM_ALPHA = 1.5  # LibMTL's default, ours too (the paper tunes it per problem)
 
@@ -304,7 +364,7 @@ METHODS: dict[str, Spec] = {
         Spec("GLS", "mogradient", _scalar("gls")),
         Spec("IMTL-L", "mogradient", _scalar("imtll")),
         Spec("STCH", "mogradient", _scalar("stch", mu=STCH_MU)),
-        Spec("PBI", "mogradient", _scalar("pbi")),
+        Spec("PBI", "mogradient", _scalar("pbi", theta=PBI_THETA)),
         Spec("FAMO", "mogradient", _scalar("famo")),
         Spec(
             "GradNorm",
@@ -328,6 +388,31 @@ METHODS: dict[str, Spec] = {
         Spec("TorchJD TrimmedMean", "torchjd", _tjd("TrimmedMean", trim_number=1), min_tasks=3),
         Spec("TorchJD GradDrop", "torchjd", _tjd("GradDrop")),
         Spec("TorchJD PCD", "torchjd", _tjd("PCD")),
+        # Over TorchJD's MGDAWeighting (Frank-Wolfe, its defaults: epsilon 1e-3, 100 iters),
+        # as the TorchJD MGDA row; ours averages the exact min-norm weights. alpha 0.9 both.
+        Spec(
+            "TorchJD CR-MOGM",
+            "torchjd",
+            _tjd_gramian(lambda tjd: tjd.CRMOGMWeighting(tjd.MGDAWeighting())),
+        ),
+        # TorchJD's MoDo and SDMGrad expect J_1 J_2^T from two batches; given J J^T of the
+        # one batch they are our single-stack variants. Defaults equal ours (gamma 0.1,
+        # rho 0.1; lr 10, momentum 0.5, 20 steps, lambda 0.3); neither draws randomness.
+        Spec("TorchJD MoDo", "torchjd", _tjd_gramian(lambda tjd: tjd.MoDoWeighting())),
+        Spec("TorchJD SDMGrad", "torchjd", _tjd_gramian(lambda tjd: tjd.SDMGradWeighting())),
+        Spec("TorchJD UW", "torchjd", _tjd_scalar(lambda tjd, k: tjd.UW(k))),
+        Spec("TorchJD DWA", "torchjd", _tjd_scalar(lambda tjd, k: tjd.DWA(DWA_TEMPERATURE))),
+        Spec("TorchJD GLS", "torchjd", _tjd_scalar(lambda tjd, k: tjd.GeometricMean())),
+        Spec("TorchJD IMTL-L", "torchjd", _tjd_scalar(lambda tjd, k: tjd.IMTLL(k))),
+        Spec("TorchJD STCH", "torchjd", _tjd_scalar(lambda tjd, k: tjd.STCH(mu=STCH_MU))),
+        # TorchJD's PBI needs its preferences: uniform, our default.
+        Spec(
+            "TorchJD PBI",
+            "torchjd",
+            _tjd_scalar(lambda tjd, k: tjd.PBI(PBI_THETA, weights=torch.full((k,), 1.0 / k))),
+        ),
+        # Defaults equal ours: lr 0.025, weight_decay 1e-3, min_losses 0.
+        Spec("TorchJD FAMO", "torchjd", _tjd_scalar(lambda tjd, k: tjd.FAMO(k))),
         Spec("LibMTL EW", "libmtl", _lib("EW")),
         Spec("LibMTL RLW", "libmtl", _lib("RLW", dist="Normal")),
         Spec("LibMTL MGDA", "libmtl", _lib("MGDA", mgda_gn="none")),
