@@ -35,6 +35,15 @@ def extra_parameters(method: Method | None) -> list[torch.nn.Parameter]:
     return list(parameters()) if parameters is not None else []
 
 
+def preference_size(method: Method | None, num_tasks: int) -> int:
+    """How many preference entries the method's model takes with its input (COSMOS: K, else 0).
+
+    A method whose model is preference-conditioned has ``next_preference()``, called
+    before every training forward; evaluation then uses the uniform preference 1/K.
+    """
+    return num_tasks if hasattr(method, "next_preference") else 0
+
+
 def head_backward(model: MultiTaskNet, losses: list[torch.Tensor]) -> None:
     """Each head's gradient is its own loss's gradient (the heads share no parameter)."""
     heads = [parameter for head in model.heads for parameter in head.parameters()]
@@ -127,6 +136,13 @@ class Scalarized:
         self.method.end_epoch()
 
 
+class ScalarizedCOSMOS(Scalarized):
+    """Our COSMOS: a preference drawn per batch, fed to the preference-conditioned model."""
+
+    def next_preference(self) -> torch.Tensor:
+        return self.method.next_preference()
+
+
 @dataclass
 class TorchJDScalarized:
     """A TorchJD scalarizer: one backward of the loss it makes of the K losses.
@@ -161,6 +177,24 @@ class TorchJDScalarized:
 
         if isinstance(self.scalarizer, DWA):
             self.scalarizer.step()
+
+
+@dataclass
+class TorchJDCOSMOS(TorchJDScalarized):
+    """TorchJD's COSMOS objective on the preference stream our COSMOS row draws.
+
+    The preferences are the benchmark's protocol, not the method: they are drawn by a
+    mogradient COSMOS used only as a seeded Dirichlet sampler (its loss is never used), so
+    with the same seed both rows see the same preferences and differ in the objective's
+    implementation alone.
+    """
+
+    sampler: mg.COSMOS
+
+    def next_preference(self) -> torch.Tensor:
+        preference = self.sampler.next_preference()
+        self.scalarizer.weights = preference.float()
+        return preference
 
 
 def bind(method: Method | None, model: MultiTaskNet) -> None:
@@ -287,6 +321,28 @@ def _tjd_scalar(factory: Callable[[types.ModuleType, int], Any]) -> Callable[[in
     return build
 
 
+def _cosmos(num_tasks: int, seed: int) -> Method:
+    """Our COSMOS, its preferences drawn from the run seed."""
+    return ScalarizedCOSMOS(
+        lambda model: mg.make_scalarization(
+            "cosmos",
+            num_tasks=num_tasks,
+            lam=COSMOS_LAMBDA,
+            concentration=COSMOS_CONCENTRATION,
+            seed=seed,
+        )
+    )
+
+
+def _tjd_cosmos(num_tasks: int, seed: int) -> Method:
+    """TorchJD's COSMOS; the sampler's lam is unused (it only draws preferences)."""
+    from torchjd.scalarization import COSMOS
+
+    uniform = torch.full((num_tasks,), 1.0 / num_tasks)  # replaced before every call
+    sampler = mg.COSMOS(num_tasks, lam=0.0, concentration=COSMOS_CONCENTRATION, seed=seed)
+    return TorchJDCOSMOS(COSMOS(COSMOS_LAMBDA, weights=uniform), sampler)
+
+
 def _ours(factory: Callable[[int, int], mg.Harmonizer]) -> Callable[[int, int], Method]:
     return lambda num_tasks, seed: Ours(factory(num_tasks, seed))
 
@@ -328,6 +384,10 @@ STCH_MU = 1.0  # the smoothing; the paper gives no single default
 PBI_THETA = 5.0  # MOEA/D's setting; ours and TorchJD's
 DWA_TEMPERATURE = 2.0  # the paper's
 GRADNORM_ALPHA = 1.5  # LibMTL's default, ours too (the paper tunes it per problem)
+# COSMOS's cosine penalty and Dirichlet concentration: the authors' code's Multi-MNIST
+# settings (lamda=2, alpha=1.2), the problem nearest to these two-digit canvases.
+COSMOS_LAMBDA = 2.0
+COSMOS_CONCENTRATION = 1.2
 
 METHODS: dict[str, Spec] = {
     spec.label: spec
@@ -375,6 +435,7 @@ METHODS: dict[str, Spec] = {
         Spec("IMTL", "mogradient", _scalar_on(_trunk, "imtl")),
         Spec("MoCo", "mogradient", _scalar_on(_trunk, "moco")),
         Spec("PCD", "mogradient", _ours(lambda k, s: mg.PCD())),
+        Spec("COSMOS", "mogradient", _cosmos),
         Spec("TorchJD UPGrad", "torchjd", _tjd("UPGrad")),
         Spec("TorchJD MGDA", "torchjd", _tjd("MGDA")),
         Spec("TorchJD DualProj", "torchjd", _tjd("DualProj")),
@@ -413,6 +474,7 @@ METHODS: dict[str, Spec] = {
         ),
         # Defaults equal ours: lr 0.025, weight_decay 1e-3, min_losses 0.
         Spec("TorchJD FAMO", "torchjd", _tjd_scalar(lambda tjd, k: tjd.FAMO(k))),
+        Spec("TorchJD COSMOS", "torchjd", _tjd_cosmos),
         Spec("LibMTL EW", "libmtl", _lib("EW")),
         Spec("LibMTL RLW", "libmtl", _lib("RLW", dist="Normal")),
         Spec("LibMTL MGDA", "libmtl", _lib("MGDA", mgda_gn="none")),

@@ -12,12 +12,21 @@ FEATURES = 64
 
 
 class MultiTaskNet(nn.Module):
-    """Conv(1->16) pool Conv(16->32) pool Linear(288->64): the trunk every task shares."""
+    """Conv(1->16) pool Conv(16->32) pool Linear(288->64): the trunk every task shares.
 
-    def __init__(self, tasks: tuple[Task, ...]) -> None:
+    ``preference_size`` R > 0 makes it preference-conditioned, for COSMOS (Ruchte and
+    Grabocka 2021), whose model takes the preference vector with its input: the R
+    preference entries are appended to the image as R constant channels (the authors'
+    code maps them to image-sized channels with a small learned transposed CNN; constant
+    channels are the minimal form). The default R = 0 builds and runs exactly the
+    unconditioned model every other method trains.
+    """
+
+    def __init__(self, tasks: tuple[Task, ...], preference_size: int = 0) -> None:
         super().__init__()
+        self.preference_size = preference_size
         self.trunk = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1),
+            nn.Conv2d(1 + preference_size, 16, 3, padding=1),
             nn.ReLU(),
             nn.MaxPool2d(2),
             nn.Conv2d(16, 32, 3, padding=1),
@@ -30,8 +39,23 @@ class MultiTaskNet(nn.Module):
         self.heads = nn.ModuleList(nn.Linear(FEATURES, task.outputs) for task in tasks)
         self.tasks = tasks
 
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The shared features (TorchJD's ``mtl_backward`` needs them) and each head's output."""
+    def forward(
+        self, images: torch.Tensor, preference: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The shared features (TorchJD's ``mtl_backward`` needs them) and each head's output.
+
+        A preference-conditioned model needs ``preference`` (R entries, one for the batch).
+        """
+        given = 0 if preference is None else len(preference)
+        if given != self.preference_size:
+            raise ValueError(
+                f"this model takes {self.preference_size} preference entries with its input, "
+                f"got {given}"
+            )
+        if preference is not None:
+            count, _, height, width = images.shape
+            channels = preference.to(images).reshape(1, -1, 1, 1)
+            images = torch.cat([images, channels.expand(count, -1, height, width)], dim=1)
         features = self.trunk(images)
         return features, [head(features) for head in self.heads]
 
@@ -59,10 +83,10 @@ def task_metric(task: Task, output: torch.Tensor, target: torch.Tensor) -> float
 
 
 def batch_losses(
-    model: MultiTaskNet, split: Split, rows: torch.Tensor
+    model: MultiTaskNet, split: Split, rows: torch.Tensor, preference: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The shared features and every task's loss on the samples ``rows`` of ``split``."""
-    features, outputs = model(split.images[rows])
+    features, outputs = model(split.images[rows], preference)
     losses = [
         task_loss(task, output, target[rows])
         for task, output, target in zip(model.tasks, outputs, split.targets, strict=True)

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.common import interleaved_times, timing_summary
 from benchmarks.mtl.data import Problem
-from benchmarks.mtl.methods import METHODS, applicable, bind, extra_parameters
+from benchmarks.mtl.methods import METHODS, applicable, bind, extra_parameters, preference_size
 from benchmarks.mtl.model import MultiTaskNet, batch_losses
 from benchmarks.mtl.train import seed_everything
 
@@ -23,8 +23,8 @@ WARMUP_ROUNDS = 3
 
 def _stepper(problem: Problem, label: str, batch: int, seed: int):
     seed_everything(seed)
-    model = MultiTaskNet(problem.tasks)
     method = METHODS[label].build(len(problem.tasks), seed)
+    model = MultiTaskNet(problem.tasks, preference_size(method, len(problem.tasks)))
     bind(method, model)
     learned = [*model.parameters(), *extra_parameters(method)]
     optimizer = torch.optim.Adam(learned, lr=1e-3)
@@ -34,11 +34,13 @@ def _stepper(problem: Problem, label: str, batch: int, seed: int):
     def step() -> None:
         rows = torch.randint(len(problem.train.images), (batch,), generator=generator)
         optimizer.zero_grad()
-        features, losses = batch_losses(model, problem.train, rows)
+        # Part of the method's cost: COSMOS's draw, FAMO's second forward.
+        preference = method.next_preference() if model.preference_size else None
+        features, losses = batch_losses(model, problem.train, rows, preference)
         method.backward(model, losses, features)
         optimizer.step()
-        if after_step is not None:  # part of the method's cost (FAMO's second forward)
-            after_step(lambda: batch_losses(model, problem.train, rows)[1])
+        if after_step is not None:
+            after_step(lambda: batch_losses(model, problem.train, rows, preference)[1])
 
     return step
 

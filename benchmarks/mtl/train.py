@@ -12,7 +12,7 @@ import torch
 
 import mogradient as mg
 from benchmarks.mtl.data import Problem, Split
-from benchmarks.mtl.methods import Method, bind, extra_parameters
+from benchmarks.mtl.methods import Method, bind, extra_parameters, preference_size
 from benchmarks.mtl.model import MultiTaskNet, task_loss, task_metric
 
 
@@ -34,9 +34,15 @@ def seed_everything(seed: int) -> None:
 
 
 def evaluate(model: MultiTaskNet, split: Split, task_indices: list[int]) -> list[float]:
-    """Each head's test metric on a whole split (heads in the model's order)."""
+    """Each head's test metric on a whole split (heads in the model's order).
+
+    A preference-conditioned model (COSMOS) is evaluated at the uniform preference 1/K,
+    the one trade-off every other method is compared at (equal task weights).
+    """
+    size = model.preference_size
+    preference = torch.full((size,), 1.0 / size) if size else None
     with torch.no_grad():
-        _, outputs = model(split.images)
+        _, outputs = model(split.images, preference)
     return [
         task_metric(model.tasks[head], output, split.targets[task])
         for head, (output, task) in enumerate(zip(outputs, task_indices, strict=True))
@@ -58,11 +64,14 @@ def train(
 ) -> dict:
     """Train and return per-epoch validation/test metrics, per-step losses and cos_min.
 
-    ``method=None`` with one task index is a single-task baseline (plain backward).
+    ``method=None`` with one task index is a single-task baseline (plain backward). A
+    method with ``next_preference()`` (COSMOS) draws a preference before every batch's
+    forward, and the model takes it with the batch.
     """
     task_indices = list(range(len(problem.tasks))) if task_indices is None else task_indices
     seed_everything(seed)
-    model = MultiTaskNet(tuple(problem.tasks[index] for index in task_indices))
+    tasks = tuple(problem.tasks[index] for index in task_indices)
+    model = MultiTaskNet(tasks, preference_size(method, len(tasks)))
     bind(method, model)
     learned = [*model.parameters(), *extra_parameters(method)]
     optimizer = torch.optim.Adam(learned, lr=budget.learning_rate)
@@ -72,7 +81,8 @@ def train(
     for _ in range(budget.epochs):
         for rows in batches(len(problem.train.images), budget.batch, order):
             optimizer.zero_grad()
-            features, losses = task_losses(model, problem.train, rows, task_indices)
+            preference = method.next_preference() if model.preference_size else None
+            features, losses = task_losses(model, problem.train, rows, task_indices, preference)
             if method is None:
                 losses[0].backward()
             else:
@@ -90,7 +100,9 @@ def train(
             optimizer.step()
             after_step = getattr(method, "after_step", None)
             if after_step is not None:  # FAMO: the same batch's losses after the step
-                after_step(partial(_losses_only, model, problem.train, rows, task_indices))
+                after_step(
+                    partial(_losses_only, model, problem.train, rows, task_indices, preference)
+                )
             record["losses"].append([float(loss.detach()) for loss in losses])
             step += 1
         end_epoch = getattr(method, "end_epoch", None)
@@ -102,10 +114,14 @@ def train(
 
 
 def task_losses(
-    model: MultiTaskNet, split: Split, rows: torch.Tensor, task_indices: list[int]
+    model: MultiTaskNet,
+    split: Split,
+    rows: torch.Tensor,
+    task_indices: list[int],
+    preference: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The shared features and each head's loss on the samples ``rows`` of ``split``."""
-    features, outputs = model(split.images[rows])
+    features, outputs = model(split.images[rows], preference)
     losses = [
         task_loss(model.tasks[head], output, split.targets[task][rows])
         for head, (output, task) in enumerate(zip(outputs, task_indices, strict=True))
