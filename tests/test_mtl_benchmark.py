@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tolerances import reduction_atol
+from tolerances import chain_atol, reduction_atol
 
 pytest.importorskip("sklearn", reason="the mtl benchmark needs the 'mtl' extra (scikit-learn)")
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,9 +20,17 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; `python -m pytest
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.mtl import compare, data  # noqa: E402
-from benchmarks.mtl.methods import METHODS, applicable, libmtl_installed  # noqa: E402
+from benchmarks.mtl.methods import (  # noqa: E402
+    METHODS,
+    applicable,
+    bind,
+    extra_parameters,
+    libmtl_installed,
+    preference_size,
+)
 from benchmarks.mtl.metrics import delta_m  # noqa: E402
-from benchmarks.mtl.train import Budget, train  # noqa: E402
+from benchmarks.mtl.model import MultiTaskNet  # noqa: E402
+from benchmarks.mtl.train import Budget, seed_everything, task_losses, train  # noqa: E402
 
 
 def test_quick_mode_runs_every_method_and_writes_its_results(tmp_path: Path) -> None:
@@ -109,6 +117,96 @@ def test_training_is_deterministic(label: str) -> None:
     runs = [train(problem, spec.build(2, 5), 5, budget) for _ in range(2)]
     assert runs[0]["losses"] == runs[1]["losses"]
     assert runs[0]["test"] == runs[1]["test"]
+
+
+def test_only_cosmos_rows_condition_the_model_and_the_default_model_is_unchanged() -> None:
+    """The preference input is opt-in: every other row trains the model built before it."""
+    conditioned = {label for label, spec in METHODS.items() if preference_size(spec.build(2, 0), 2)}
+    assert conditioned == {"COSMOS", "TorchJD COSMOS"}
+    tasks = data.multi_digits((8, 4, 4), seed=0).tasks
+    seed_everything(3)
+    model = MultiTaskNet(tasks)
+    # The network as it was before the option, built from the same seed.
+    seed_everything(3)
+    trunk = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 3 * 3, 64),
+        torch.nn.ReLU(),
+    )
+    heads = torch.nn.ModuleList(torch.nn.Linear(64, task.outputs) for task in tasks)
+    reference = {**{f"trunk.{k}": v for k, v in trunk.state_dict().items()},
+                 **{f"heads.{k}": v for k, v in heads.state_dict().items()}}  # fmt: skip
+    assert model.state_dict().keys() == reference.keys()
+    assert all(torch.equal(model.state_dict()[key], reference[key]) for key in reference)
+    images = torch.rand(5, 1, data.CANVAS, data.CANVAS, generator=torch.Generator().manual_seed(0))
+    features, outputs = model(images)
+    assert torch.equal(features, trunk(images))
+    assert all(torch.equal(out, head(features)) for out, head in zip(outputs, heads, strict=True))
+    with pytest.raises(ValueError, match="takes 0 preference entries with its input, got 2"):
+        model(images, torch.tensor([0.5, 0.5]))
+    with pytest.raises(ValueError, match="takes 2 preference entries with its input, got 0"):
+        MultiTaskNet(tasks, preference_size=2)(images)
+
+
+# Rows of one method in two libraries; their gradients must agree on the same model and
+# batches. Three single-batch "epochs" on a fixed model: DWA's weights leave 1 in the third.
+SAME_METHOD = [
+    ("UW", "TorchJD UW"),
+    ("DWA", "TorchJD DWA"),
+    ("GLS", "TorchJD GLS"),
+    ("IMTL-L", "TorchJD IMTL-L"),
+    ("FAMO", "TorchJD FAMO"),
+    ("STCH", "TorchJD STCH"),
+    ("PBI", "TorchJD PBI"),
+    ("COSMOS", "TorchJD COSMOS"),
+    ("DWA", "LibMTL DWA"),
+    ("GLS", "LibMTL GLS"),
+]
+EPOCHS = 3
+
+
+def _row_gradients(label: str, problem: data.Problem) -> list[list[torch.Tensor]]:
+    """Per epoch: the gradients of the model's and the method's own parameters."""
+    num_tasks = len(problem.tasks)
+    method = METHODS[label].build(num_tasks, 5)
+    seed_everything(5)
+    model = MultiTaskNet(problem.tasks, preference_size(method, num_tasks))
+    bind(method, model)
+    learned = [*model.parameters(), *extra_parameters(method)]
+    gradients = []
+    for epoch in range(EPOCHS):
+        for parameter in learned:
+            parameter.grad = None
+        preference = method.next_preference() if model.preference_size else None
+        rows = torch.arange(16 * epoch, 16 * (epoch + 1))
+        features, losses = task_losses(
+            model, problem.train, rows, list(range(num_tasks)), preference
+        )
+        method.backward(model, losses, features)
+        gradients.append([parameter.grad.clone() for parameter in learned])
+        method.end_epoch()
+    return gradients
+
+
+@pytest.mark.parametrize(("ours", "theirs"), SAME_METHOD)
+def test_library_rows_of_one_method_give_the_same_gradients(ours: str, theirs: str) -> None:
+    if not applicable(METHODS[theirs], 2):
+        pytest.skip(f"{theirs} needs LibMTL (make mtl installs it)")
+    problem = data.multi_digits((16 * EPOCHS, 4, 4), seed=0)
+    expected, actual = _row_gradients(ours, problem), _row_gradients(theirs, problem)
+    for mine, others in zip(expected, actual, strict=True):
+        assert len(mine) == len(others)
+        for gradient, other in zip(mine, others, strict=True):
+            # The task weights differ by rounding in a few operations, and the backward is
+            # linear in them: the gradients differ by some ulps of their scale.
+            atol = chain_atol(torch.float32, float(gradient.abs().max()), 16)
+            torch.testing.assert_close(other, gradient, rtol=0, atol=atol)
 
 
 @pytest.mark.skipif(not libmtl_installed(), reason="LibMTL is installed by make mtl")
