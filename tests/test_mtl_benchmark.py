@@ -111,7 +111,7 @@ def test_many_tasks_targets_follow_from_the_two_digits() -> None:
 def test_training_is_deterministic(label: str) -> None:
     spec = METHODS[label]
     if not applicable(spec, 2):
-        pytest.skip(f"{label} needs LibMTL (make mtl installs it)")
+        pytest.skip(f"{label} needs LibMTL (the Makefile installs it)")
     problem = data.multi_digits((96, 32, 32), seed=0)
     budget = Budget(epochs=1, batch=32, learning_rate=3e-3, diagnostics_every=1)
     runs = [train(problem, spec.build(2, 5), 5, budget) for _ in range(2)]
@@ -209,7 +209,7 @@ def test_library_rows_of_one_method_give_the_same_gradients(ours: str, theirs: s
             torch.testing.assert_close(other, gradient, rtol=0, atol=atol)
 
 
-@pytest.mark.skipif(not libmtl_installed(), reason="LibMTL is installed by make mtl")
+@pytest.mark.skipif(not libmtl_installed(), reason="LibMTL is installed by the Makefile")
 def test_libmtl_driver_feeds_the_exact_rows() -> None:
     """LibMTL's EW sums its gradients, and PCGrad leaves orthogonal rows alone: both = J.sum(0)."""
     generator = torch.Generator().manual_seed(0)

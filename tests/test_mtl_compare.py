@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; `python -m pytest
     sys.path.insert(0, str(ROOT))
 
 import mogradient as mg  # noqa: E402
-from benchmarks.mtl import compare  # noqa: E402
+from benchmarks.mtl import compare, compare_losses  # noqa: E402
 from benchmarks.mtl.methods import libmtl_installed  # noqa: E402
 
 U32 = 2.0**-24
@@ -155,15 +155,15 @@ def test_new_rows_run_and_agree_on_four_tasks() -> None:
 
 
 def test_loss_table_runs_and_agrees() -> None:
-    rows = compare.compare_losses()
+    rows = compare_losses.compare_losses()
     expected = {
         (method, implementation)
-        for method, _, others in compare.LOSS_PAIRS
+        for method, _, others in compare_losses.LOSS_PAIRS
         for implementation, _ in others
         if libmtl_installed() or not implementation.startswith("LibMTL")
     }
     assert {(row["method"], row["implementation"]) for row in rows} == expected
-    gradients = compare.task_gradients()
+    gradients = compare_losses.task_gradients()
     singular = torch.linalg.svdvals(gradients)
     kappa = float(singular[0] / singular[-1])
     per_step = 64 * EPS64 * kappa
@@ -171,10 +171,10 @@ def test_loss_table_runs_and_agrees() -> None:
         assert row["error"] is None, row
         assert row["first_step"] <= per_step, row
         if row["method"].startswith("GradNorm"):
-            # Another update rule (compare.LOSS_NOTES): equal at step 1 only.
+            # Another update rule (compare_losses.LOSS_NOTES): equal at step 1 only.
             assert row["worst"] > 1e-3
             continue
-        assert row["norm_gap"] <= compare.LOSS_STEPS * per_step, row
+        assert row["norm_gap"] <= compare_losses.LOSS_STEPS * per_step, row
     markdown = compare.comparison_markdown([], rows)
     assert "## Loss-based methods" in markdown
     assert all(row["implementation"] in markdown for row in rows)

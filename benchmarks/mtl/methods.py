@@ -500,7 +500,7 @@ METHODS: dict[str, Spec] = {
 
 
 def libmtl_installed() -> bool:
-    """LibMTL is optional: ``make mtl`` installs it with --no-deps (it pins torchvision)."""
+    """LibMTL is optional: the Makefile installs it with --no-deps (it pins torchvision)."""
     # Once loaded, "LibMTL" is our stub package (no __spec__: find_spec would raise).
     return "LibMTL" in sys.modules or importlib.util.find_spec("LibMTL") is not None
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import machine_info
-from benchmarks.mtl import compare, plots, report
+from benchmarks.mtl import compare, compare_losses, plots, report
 from benchmarks.mtl.data import PROBLEMS, Problem
 from benchmarks.mtl.methods import METHODS, applicable, preference_method
 from benchmarks.mtl.metrics import (
@@ -221,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             problem, settings.budget.batch, settings.timing_rounds
         )
     results["comparison"] = compare.compare_all(seed=0, trained_steps=settings.compare_steps)
+    results["comparison_losses"] = compare_losses.compare_losses(seed=0)
     results["training_seconds"] = training_seconds
     results["total_seconds"] = time.perf_counter() - started
     results["workers"] = workers
@@ -230,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
     (args.out / "table.md").write_text(report.table_markdown(results))
-    (args.out / "comparison.md").write_text(compare.comparison_markdown(results["comparison"]))
+    comparison = compare.comparison_markdown(results["comparison"], results["comparison_losses"])
+    (args.out / "comparison.md").write_text(comparison)
     plots.write_all(results, records, args.out)
     print(report.table_markdown(results))
     print(f"total {results['total_seconds']:.0f} s; wrote {args.out}")
