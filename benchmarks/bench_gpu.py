@@ -68,14 +68,15 @@ from tqdm.auto import tqdm
 from mogradient.gradients import accumulate_gradients, flat_gradient, write_gradient
 from mogradient_diffusion.config.loading import TrainingConfig, load_config
 from mogradient_diffusion.model import policy as policy_module
-from mogradient_diffusion.model.policy import PromptEmbeddings
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
+from mogradient_diffusion.model.families import family_named
+from mogradient_diffusion.model.schedules import sampler_sigmas
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.objectives.nft import NFTRollout
 from mogradient_diffusion.rewards import Reward, register_reward
 from mogradient_diffusion.rewards.base import Metadata
 from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.sampling.rollout import rollout
-from mogradient_diffusion.sampling.schedule import sampler_sigmas
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.step_gradients import StepGradients
 from mogradient_diffusion.training.strategies import Strategy, build_strategy
@@ -361,7 +362,8 @@ def build_trainer(
     dtype = getattr(torch, args.dtype)
     (run_dir / PROMPT_FILE).write_text("\n".join(STANDIN_PROMPTS) + "\n")
     pipeline = build_pipeline(shape, world.device, dtype)
-    with mock.patch.object(policy_module, "load_sd3_pipeline", lambda path, dtype: pipeline):
+    loaded = (pipeline, family_named("sd3"))
+    with mock.patch.object(policy_module, "load_pipeline", lambda path, dtype, family: loaded):
         trainer = Trainer(recipe_config(args, shape, run_dir, BASELINE, world.size), world)
     trainer.policy.encode_prompts = RandomTextEmbeddings(shape, world.device, dtype)
     return trainer, make_strategies(args, shape, run_dir, trainer, world.size)

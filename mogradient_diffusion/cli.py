@@ -112,7 +112,7 @@ def _add_eval_parser(commands) -> None:
     )
     evaluate.add_argument(
         "--model",
-        help="StableDiffusion3Pipeline directory (" + from_run("model.path", "required") + ")",
+        help="saved diffusers pipeline directory (" + from_run("model.path", "required") + ")",
     )
     evaluate.add_argument(
         "--lora", help="LoRA directory written by `train` (a run's lora/ or lora_ema/); none: base"

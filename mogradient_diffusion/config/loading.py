@@ -32,6 +32,8 @@ from mogradient_diffusion.config.settings import (
     StrategyConfig,
     TrainConfig,
 )
+from mogradient_diffusion.model.families import FAMILIES
+from mogradient_diffusion.model.pipeline_files import AUTO
 from mogradient_diffusion.model.policy import DTYPES, LoraSpec
 from mogradient_diffusion.objectives import UnknownObjectiveError, objective_class
 from mogradient_diffusion.sampling.solver import SAMPLERS
@@ -189,6 +191,9 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
     rollout, train = config.rollout, config.train
     _check_device("model.device", config.model.device)
     _choice("model.dtype", config.model.dtype, tuple(DTYPES))
+    _choice("model.family", config.model.family, (AUTO, *FAMILIES))
+    if config.model.guidance is not None and not config.model.guidance > 0:
+        raise ConfigError(f"model.guidance must be > 0 or null, got {config.model.guidance}")
     _choice("rollout.sampler", rollout.sampler, SAMPLERS)
     _choice("train.old_schedule", train.old_schedule, ("copy", "linear", "delayed_linear"))
     _choice("train.gradient_engine", train.gradient_engine, ("auto", "batched"))

@@ -18,7 +18,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # a StableDiffusion3Pipeline directory; None = build the tiny one
+    path: str | None = None  # a saved diffusers pipeline; None = build the tiny SD3 one
+    # auto = from the pipeline's class (model_index.json); or sd3 (SD3, SD3.5)
+    family: str = "auto"
+    # Embedded (distilled) guidance of models that have one (FLUX.1-dev); None = none or
+    # the family's default. Classifier-free guidance is rollout.guidance_scale.
+    guidance: float | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto = cuda when available
     gradient_checkpointing: bool = False

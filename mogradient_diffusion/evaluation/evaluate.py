@@ -32,7 +32,8 @@ from tqdm.auto import tqdm
 
 from mogradient_diffusion.evaluation.grid import save_grid
 from mogradient_diffusion.evaluation.inputs import check_lora, check_output_dir, resolve_device
-from mogradient_diffusion.model.policy import DTYPES, load_sd3_pipeline
+from mogradient_diffusion.model import pipeline_files
+from mogradient_diffusion.model.policy import DTYPES
 from mogradient_diffusion.prompts.sources import PromptSource, load_prompt_file
 from mogradient_diffusion.rewards import RewardSet, make_reward
 from mogradient_diffusion.rewards.background import BackgroundScoring
@@ -133,7 +134,7 @@ def load_pipeline(settings: EvalSettings):
     """The base pipeline (plus the LoRA), on the evaluation device, progress bars off."""
     device = resolve_device(settings.device)
     with library_progress_bars(settings.progress):
-        pipeline = load_sd3_pipeline(settings.model, DTYPES[settings.dtype])
+        pipeline, _ = pipeline_files.load_pipeline(settings.model, DTYPES[settings.dtype])
     if settings.lora is not None:
         load_lora(pipeline, settings.lora, settings.model)
     pipeline.set_progress_bar_config(disable=True)

@@ -1,4 +1,4 @@
-"""Stable Diffusion 3 with two LoRA adapters: the trained policy and the rollout policy.
+"""A diffusion transformer with two LoRA adapters: the trained policy and the rollout policy.
 
 DiffusionNFT keeps three velocity fields on one frozen transformer: ``default`` (the
 LoRA being trained), ``old`` (the rollout policy, a lagged copy of ``default``) and the
@@ -9,7 +9,6 @@ reference (the base model, adapters disabled). peft's ``set_adapter`` flips
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -20,19 +19,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
+from mogradient_diffusion.model.families import Family
+from mogradient_diffusion.model.families.sd3 import SD3
+from mogradient_diffusion.model.pipeline_files import AUTO, load_pipeline
+
 ADAPTERS = ("default", "old", "reference")
-LORA_TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
-)
+# The attention projections, by bare name: they match every family's joint attention.
+LORA_TARGETS = SD3.lora_targets
 LORA_INITS = {"gaussian": "gaussian", "kaiming": True}
-NUM_TRAIN_TIMESTEPS = 1000
 # Config names of the transformer dtypes (model.dtype, eval --dtype).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,65 +98,22 @@ def _short_name(name: str) -> str:
     return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
 
 
-@dataclass
-class PromptEmbeddings:
-    """SD3 text conditioning: token embeddings [B, L, D] and pooled embeddings [B, P]."""
-
-    prompt_embeds: torch.Tensor
-    pooled: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.prompt_embeds.ndim != 3 or self.pooled.ndim != 2:
-            raise ValueError(
-                "expected prompt_embeds [B, L, D] and pooled [B, P], got "
-                f"{tuple(self.prompt_embeds.shape)} and {tuple(self.pooled.shape)}"
-            )
-        if len(self.prompt_embeds) != len(self.pooled):
-            raise ValueError(
-                f"batch sizes differ: {len(self.prompt_embeds)} prompt rows, "
-                f"{len(self.pooled)} pooled rows"
-            )
-
-    def __len__(self) -> int:
-        return len(self.prompt_embeds)
-
-    def index(self, rows: torch.Tensor | slice | Sequence[int]) -> PromptEmbeddings:
-        """Select rows (a slice, an index list or tensor, or a boolean mask)."""
-        if not isinstance(rows, slice):
-            rows = torch.as_tensor(rows, device=self.prompt_embeds.device)
-        return PromptEmbeddings(self.prompt_embeds[rows], self.pooled[rows])
-
-    def repeat_interleave(self, n: int) -> PromptEmbeddings:
-        """Each row ``n`` times in a row: per-prompt embeddings to per-image embeddings."""
-        return PromptEmbeddings(
-            self.prompt_embeds.repeat_interleave(n, dim=0), self.pooled.repeat_interleave(n, dim=0)
-        )
-
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-        """Move and/or cast both tensors."""
-        return PromptEmbeddings(
-            self.prompt_embeds.to(device=device, dtype=dtype),
-            self.pooled.to(device=device, dtype=dtype),
-        )
-
-    @staticmethod
-    def cat(parts: Sequence[PromptEmbeddings]) -> PromptEmbeddings:
-        """Stack along the batch (e.g. unconditional and conditional rows for CFG)."""
-        return PromptEmbeddings(
-            torch.cat([p.prompt_embeds for p in parts]), torch.cat([p.pooled for p in parts])
-        )
-
-
 class Policy:
-    """A ``StableDiffusion3Pipeline`` whose transformer has LoRA adapters ``default`` and ``old``.
+    """A pipeline of one :mod:`family <mogradient_diffusion.model.families>` whose transformer
+    has LoRA adapters ``default`` and ``old``.
 
     Build with :meth:`load`. ``denoiser`` is the module called for velocity forwards; it
     is ``transformer`` itself, and may be replaced by a DDP wrapper of it (built while
     ``default`` is active) so that backward passes synchronise gradients.
     """
 
-    def __init__(self, pipeline, lora: LoraSpec) -> None:
+    def __init__(
+        self, pipeline, lora: LoraSpec, family: Family, guidance: float | None = None
+    ) -> None:
+        family.check_guidance(pipeline, guidance)
         self.pipeline = pipeline
+        self.family = family
+        self.guidance = guidance
         self.transformer = pipeline.transformer
         self.denoiser: nn.Module = self.transformer
         self.lora = lora
@@ -177,9 +129,17 @@ class Policy:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         gradient_checkpointing: bool = False,
+        family: str = AUTO,
+        guidance: float | None = None,
     ) -> Policy:
-        """Load a pipeline (local directory, or hub id unless ``HF_HUB_OFFLINE``), add adapters."""
-        pipeline = load_sd3_pipeline(path, dtype).to(device)
+        """Load a pipeline (local directory, or hub id unless ``HF_HUB_OFFLINE``), add adapters.
+
+        ``family`` names the model family, or ``"auto"`` reads it from the pipeline.
+        ``guidance`` is the embedded guidance of models that have one (FLUX.1-dev).
+        """
+        pipeline, found = load_pipeline(path, dtype, family)
+        found.check_guidance(pipeline, guidance)
+        pipeline = pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
         for component in pipeline.components.values():
             if isinstance(component, nn.Module):
@@ -194,7 +154,7 @@ class Policy:
             transformer.add_adapter(lora.peft_config(), adapter_name="default")
             transformer.add_adapter(lora.peft_config(), adapter_name="old")
         transformer.set_adapter("default")
-        policy = cls(pipeline, lora)
+        policy = cls(pipeline, lora, found, guidance)
         policy._upcast_lora()
         policy.load_lora_state("old", policy.lora_state("default"))
         return policy
@@ -289,13 +249,12 @@ class Policy:
 
         The LoRA config goes into the safetensors metadata so loaders keep alpha != rank.
         """
-        from diffusers import StableDiffusion3Pipeline
         from peft.utils import get_peft_model_state_dict
 
         self._trained(adapter)
         layers = get_peft_model_state_dict(self.transformer, adapter_name=adapter)
         metadata = self.transformer.peft_config[adapter].to_dict()
-        StableDiffusion3Pipeline.save_lora_weights(
+        self.family.pipeline_class().save_lora_weights(
             directory,
             transformer_lora_layers={k: v.detach().cpu().contiguous() for k, v in layers.items()},
             transformer_lora_adapter_metadata=metadata,
@@ -312,18 +271,11 @@ class Policy:
     def encode_prompts(
         self, prompts: list[str], max_sequence_length: int = 256
     ) -> PromptEmbeddings:
-        """Text conditioning for ``prompts`` (CLIP-L, CLIP-G and T5), without CFG rows."""
+        """Text conditioning for ``prompts`` (the family's text encoders), without CFG rows."""
         if isinstance(prompts, str) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings")
-        embeds, _, pooled, _ = self.pipeline.encode_prompt(
-            prompt=list(prompts),
-            prompt_2=None,
-            prompt_3=None,
-            device=self.device,
-            do_classifier_free_guidance=False,
-            max_sequence_length=max_sequence_length,
-        )
-        return PromptEmbeddings(embeds, pooled).to(dtype=self.dtype)
+        embeds = self.family.encode_prompts(self.pipeline, list(prompts), max_sequence_length)
+        return embeds.to(dtype=self.dtype)
 
     def velocity(
         self,
@@ -352,97 +304,30 @@ class Policy:
             self.use_adapter(adapter),
             torch.set_grad_enabled(adapter == "default" and torch.is_grad_enabled()),
         ):
-            velocity = self.denoiser(
-                hidden_states=latents.to(self.dtype),
-                encoder_hidden_states=embeds.prompt_embeds,
-                pooled_projections=embeds.pooled,
-                timestep=sigmas * NUM_TRAIN_TIMESTEPS,
-                return_dict=False,
-            )[0]
+            velocity = self.family.velocity(
+                self.denoiser, latents.to(self.dtype), sigmas, embeds, self.guidance
+            )
         return velocity.to(latents.dtype)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
-        """Images [B, 3, H, W] in [0, 1] from clean latents (VAE scaling and shift undone)."""
-        vae = self.pipeline.vae
-        scaled = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        chunks = scaled.split(batch_size or len(scaled))
-        images = [vae.decode(c.to(vae.dtype), return_dict=False)[0] for c in chunks]
+        """Images [B, 3, H, W] in [0, 1] from clean latents (the family's VAE conventions)."""
+        chunks = latents.split(batch_size or len(latents))
+        images = [self.family.decode(self.pipeline, chunk) for chunk in chunks]
         return (torch.cat(images).float() / 2 + 0.5).clamp(0, 1)
 
     def latent_shape(self, resolution: int) -> tuple[int, int, int]:
         """(channels, height, width) of the latents for a square image of ``resolution`` px."""
-        factor = self.pipeline.vae_scale_factor * self.transformer.config.patch_size
-        if resolution <= 0 or resolution % factor:
-            raise ValueError(
-                f"resolution must be a positive multiple of {factor}, got {resolution}"
-            )
-        size = resolution // self.pipeline.vae_scale_factor
-        return (self.transformer.config.in_channels, size, size)
+        return self.family.latent_shape(self.pipeline, resolution)
+
+    def sigmas(self, steps: int, resolution: int, shift: float | None = None) -> torch.Tensor:
+        """Noise levels [steps + 1] of the family's schedule; ``shift`` overrides its shift."""
+        return self.family.sigmas(self.pipeline, steps, resolution, shift)
 
 
 def _check_adapter(adapter: str) -> None:
     if adapter not in ADAPTERS:
         raise ValueError(f"adapter must be one of {ADAPTERS}, got {adapter!r}")
-
-
-def load_sd3_pipeline(path: str | os.PathLike, dtype: torch.dtype):
-    """``from_pretrained`` with one clear error when ``path`` is not a usable pipeline."""
-    from diffusers import StableDiffusion3Pipeline
-
-    local = _is_local(path)
-    if local:
-        path = Path(path).expanduser()
-        _check_pipeline_dir(path)
-    try:
-        with warnings.catch_warnings():  # newer diffusers renamed torch_dtype to dtype
-            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-            return StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=dtype)
-    except (OSError, ValueError) as error:
-        if local:
-            raise
-        from huggingface_hub import constants
-
-        offline = " (HF_HUB_OFFLINE is set: only the local cache was tried)"
-        raise FileNotFoundError(
-            f"{str(path)!r} is not a local directory and could not be loaded as a hub model"
-            f"{offline if constants.HF_HUB_OFFLINE else ''}: {error}"
-        ) from error
-
-
-def _is_local(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names a filesystem location rather than an ``owner/name`` hub id."""
-    text = str(path)
-    return (
-        Path(text).expanduser().exists()
-        or os.path.isabs(text)
-        or text.startswith((".", "~"))
-        or text.count("/") != 1
-    )
-
-
-def _check_pipeline_dir(path: Path) -> None:
-    """Raise FileNotFoundError naming everything a ``save_pretrained`` layout lacks."""
-    index = path / "model_index.json"
-    if not path.is_dir():
-        raise FileNotFoundError(f"pipeline directory {str(path)!r} does not exist")
-    if not index.is_file():
-        raise FileNotFoundError(
-            f"{str(path)!r} is not a diffusers pipeline directory: missing model_index.json"
-        )
-    components = json.loads(index.read_text())
-    missing = [
-        f"{name}/"
-        for name, entry in components.items()
-        if not name.startswith("_")
-        and isinstance(entry, list)
-        and entry[0] is not None
-        and not (path / name).is_dir()
-    ]
-    if missing:
-        raise FileNotFoundError(
-            f"pipeline directory {str(path)!r} is incomplete: missing {', '.join(missing)}"
-        )
 
 
 __all__ = [
@@ -451,5 +336,4 @@ __all__ = [
     "LORA_TARGETS",
     "LoraSpec",
     "Policy",
-    "PromptEmbeddings",
 ]

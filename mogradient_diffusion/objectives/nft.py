@@ -17,7 +17,8 @@ from typing import ClassVar
 import torch
 
 from mogradient.combinable import CombinableLoss
-from mogradient_diffusion.model.policy import Policy, PromptEmbeddings
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
+from mogradient_diffusion.model.policy import Policy
 from mogradient_diffusion.objectives.base import (
     Advantages,
     RewardView,

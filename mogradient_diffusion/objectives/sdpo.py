@@ -30,7 +30,8 @@ from torch import Tensor
 
 from mogradient.combinable import CombinableLoss, RowValues, masked_mean_coefficients
 from mogradient_diffusion.config.settings import ConfigError
-from mogradient_diffusion.model.policy import Policy, PromptEmbeddings
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
+from mogradient_diffusion.model.policy import Policy
 from mogradient_diffusion.objectives.base import (
     Advantages,
     RewardView,

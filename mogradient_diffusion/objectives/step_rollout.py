@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from mogradient_diffusion.config.settings import ConfigError
-from mogradient_diffusion.model.policy import Policy, PromptEmbeddings
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
+from mogradient_diffusion.model.policy import Policy
 from mogradient_diffusion.objectives.base import RolloutRequest, StepMetrics
 from mogradient_diffusion.sampling.rollout import RolloutBatch, guided_velocity, rollout
 from mogradient_diffusion.sampling.sde import transition_log_prob

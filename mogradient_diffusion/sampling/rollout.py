@@ -6,7 +6,7 @@ deterministic one (Euler for evaluation, multistep DPM-Solver-2 for training rol
 Flow-GRPO and SDPO sample the SDE and keep the per-step states and log-probs
 :func:`~mogradient_diffusion.sampling.solver.integrate` records. Flow matching
 convention: x_t = (1 - t) x0 + t noise, velocity v = noise - x0, sampled from t = 1 down
-to 0 on SD3's shifted schedule.
+to 0 on the model family's schedule.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mogradient_diffusion.model.policy import ADAPTERS, Policy, PromptEmbeddings
-from mogradient_diffusion.sampling.schedule import sampler_sigmas
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
+from mogradient_diffusion.model.policy import ADAPTERS, Policy
 from mogradient_diffusion.sampling.solver import (
     SAMPLERS,
     Trajectories,
@@ -84,8 +84,8 @@ def rollout(
     ``guidance_scale != 1`` turns on CFG against ``negative_embeds`` (one row, or one per
     image; the empty prompt by default). ``noise`` [B, C, h, w] replaces the initial noise
     drawn from ``generator``. ``batch_size`` images go through the sampler at a time;
-    deterministic samplers give the same images for any ``batch_size``. ``shift`` defaults
-    to the pipeline scheduler's. ``sampler``, ``noise_level`` (the SDE's eta),
+    deterministic samplers give the same images for any ``batch_size``. ``shift`` overrides
+    the family schedule's time shift. ``sampler``, ``noise_level`` (the SDE's eta),
     ``sde_steps``, ``recorded_steps`` and ``record_x0`` are
     :func:`~mogradient_diffusion.sampling.solver.integrate`'s; the SDE's per-step noise
     comes from ``generator`` too. ``on_images`` is called with each chunk's rows and
@@ -93,9 +93,7 @@ def rollout(
     samples.
     """
     _check_rollout_args(prompts, images_per_prompt, sampler, adapter, noise_level, batch_size)
-    if shift is None:
-        shift = policy.pipeline.scheduler.config.shift
-    sigmas = sampler_sigmas(steps, shift)
+    sigmas = policy.sigmas(steps, resolution, shift)
     total = len(prompts) * images_per_prompt
     noise = _initial_noise(policy, total, resolution, generator, noise)
     embeds = policy.encode_prompts(prompts, max_sequence_length)
@@ -163,7 +161,7 @@ def guided_velocity(
         uncond, cond = _at_least_float32(out).chunk(2)
         if detach_uncond:
             uncond = uncond.detach()
-        return uncond + guidance_scale * (cond - uncond)
+        return policy.family.combine_guidance(uncond, cond, guidance_scale)
 
     return velocity
 

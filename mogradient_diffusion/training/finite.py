@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mogradient_diffusion.model.policy import Policy, PromptEmbeddings
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
+from mogradient_diffusion.model.policy import Policy
 
 
 class NonFiniteError(RuntimeError):

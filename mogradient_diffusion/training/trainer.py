@@ -40,6 +40,7 @@ from mogradient.combinable import CombinableLoss
 from mogradient.distributed import apply_weights
 from mogradient.gradients import accumulate_gradients
 from mogradient_diffusion.config.loading import ConfigError, TrainingConfig
+from mogradient_diffusion.model.families.base import UnsupportedGuidance
 from mogradient_diffusion.model.policy import (
     DTYPES,
     LoraTargetError,
@@ -168,8 +169,10 @@ class Trainer:
                 device=world.device,
                 dtype=DTYPES[config.model.dtype],
                 gradient_checkpointing=config.model.gradient_checkpointing,
+                family=config.model.family,
+                guidance=config.model.guidance,
             )
-        except LoraTargetError as error:
+        except (LoraTargetError, UnsupportedGuidance) as error:
             raise ConfigError(str(error)) from None
         self.parameters = self.policy.trainable_parameters()
         self.gradients = StepGradients(

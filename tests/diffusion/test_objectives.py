@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mogradient_diffusion.config.loading import ConfigError, StrategyConfig, load_config
-from mogradient_diffusion.model.policy import PromptEmbeddings
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.objectives import (
     Objective,
     StepMetrics,

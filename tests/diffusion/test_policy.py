@@ -10,12 +10,8 @@ import pytest
 import torch
 from tolerances import chain_atol
 
-from mogradient_diffusion.model.policy import (
-    LORA_TARGETS,
-    LoraSpec,
-    Policy,
-    PromptEmbeddings,
-)
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
+from mogradient_diffusion.model.policy import LORA_TARGETS, LoraSpec, Policy
 from mogradient_diffusion.training.ema import ParameterEMA, old_decay
 
 SPEC = LoraSpec(rank=4, alpha=8)
@@ -204,7 +200,7 @@ def test_prompt_embeddings_helpers() -> None:
     picked = repeated.index(torch.tensor([5, 0]))
     assert torch.equal(picked.prompt_embeds, embeds.prompt_embeds[[1, 0]])
     assert len(PromptEmbeddings.cat([embeds, picked])) == 4
-    with pytest.raises(ValueError, match="batch sizes differ"):
+    with pytest.raises(ValueError, match="B = 2 prompt rows"):
         PromptEmbeddings(torch.zeros(2, 3, 2), torch.zeros(3, 2))
 
 

@@ -10,8 +10,8 @@ import torch
 from tolerances import chain_atol
 
 from mogradient_diffusion.model.policy import LoraSpec, Policy
+from mogradient_diffusion.model.schedules import sampler_sigmas
 from mogradient_diffusion.sampling.rollout import RolloutBatch, rollout
-from mogradient_diffusion.sampling.schedule import sampler_sigmas
 from mogradient_diffusion.sampling.solver import integrate
 
 PROMPTS = ["a red cat", 'a sign saying "hello"']

@@ -10,9 +10,9 @@ import torch
 from tolerances import chain_atol, eps
 
 from mogradient_diffusion.model.policy import LoraSpec, Policy
+from mogradient_diffusion.model.schedules import sampler_sigmas
 from mogradient_diffusion.objectives.step_rollout import flow_grpo_steps
 from mogradient_diffusion.sampling.rollout import guided_velocity, paired_noise
-from mogradient_diffusion.sampling.schedule import sampler_sigmas
 from mogradient_diffusion.sampling.sde import (
     gaussian_log_prob,
     noise_scale,

@@ -13,7 +13,7 @@ import torch
 
 from mogradient_diffusion.cli import main
 from mogradient_diffusion.config.loading import ConfigError, load_config
-from mogradient_diffusion.model.policy import PromptEmbeddings
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.objectives.flow_grpo import FlowGRPOObjective, FlowGRPOSettings
 from mogradient_diffusion.objectives.sdpo import PairRollout, SDPOObjective, SDPOSettings

@@ -36,7 +36,7 @@ def no_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the pipeline was loaded before the error was reported")
 
-    monkeypatch.setattr("mogradient_diffusion.evaluation.evaluate.load_sd3_pipeline", refuse)
+    monkeypatch.setattr("mogradient_diffusion.evaluation.evaluate.load_pipeline", refuse)
 
 
 def _lora_copy(trained_run: Path, target: Path, change=None) -> Path:

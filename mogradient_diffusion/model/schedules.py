@@ -1,10 +1,11 @@
-"""The noise levels a sampler runs through: SD3's shifted flow-matching schedule."""
+"""The noise levels a sampler runs through: flow-matching schedules of the model families."""
 
 from __future__ import annotations
 
 import torch
 
-from mogradient_diffusion.model.policy import NUM_TRAIN_TIMESTEPS
+# Flow-matching schedulers' training timesteps: SD3's transformer takes sigma in these units.
+NUM_TRAIN_TIMESTEPS = 1000
 
 
 def sampler_sigmas(
@@ -31,4 +32,4 @@ def _shift(t: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
 
-__all__ = ["sampler_sigmas"]
+__all__ = ["NUM_TRAIN_TIMESTEPS", "sampler_sigmas"]
