@@ -73,7 +73,7 @@ bench: $(STAMP)
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/bench_gpu.py --shape sd35m
 
-# Multi-task head-to-head vs TorchJD and LibMTL on scikit-learn's digits (5 seeds; ~23 min on
+# Multi-task head-to-head vs TorchJD and LibMTL on scikit-learn's digits (5 seeds; ~50 min on
 # a shared 2-core machine).
 mtl: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.mtl.run

@@ -1,6 +1,6 @@
 """The multi-task head-to-head: mogradient vs TorchJD vs LibMTL on scikit-learn's digits.
 
-    python -m benchmarks.mtl.run            # full: 5 seeds, ~20-30 min on 2 cores
+    python -m benchmarks.mtl.run            # full: 5 seeds, ~50 min on 2 cores
     python -m benchmarks.mtl.run --quick    # every method once, tiny budget, < 2 min
 
 Writes table.md, results.json, comparison.md and PNG plots to --out
