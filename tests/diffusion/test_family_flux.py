@@ -4,11 +4,14 @@ first ratio, the LoRA round trip, and every objective training through the CLI."
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors import safe_open
 from tolerances import chain_atol
 
@@ -18,6 +21,7 @@ from mogradient_diffusion.model.families.base import UnsupportedGuidance
 from mogradient_diffusion.model.families.flux import Flux
 from mogradient_diffusion.model.policy import LoraSpec, Policy
 from mogradient_diffusion.model.tiny_flux import TinyFluxSpec, save_tiny_flux_pipeline
+from mogradient_diffusion.rewards.base import to_uint8_images
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.sampling.rollout import RolloutBatch, guided_velocity, rollout
 from mogradient_diffusion.sampling.sde import transition_log_prob
@@ -336,3 +340,43 @@ def test_schnell_trains_with_classifier_free_guidance(flux_dirs, tmp_path) -> No
     (record,) = read_metrics(run)
     trained = [s for s in record["optimizer_steps"] if s.get("skipped") != "no reward signal"]
     assert trained and trained[0]["objective/first_step_max_abs_ratio_minus_one"] == 0.0
+
+
+def _eval(out: Path, *args: str) -> dict:
+    """``eval`` with one offline metric; its summary."""
+    metrics = ["--metrics", "jpeg_incompressibility", "--quiet", "--device", "cpu"]
+    assert main(["eval", "--out", str(out), *metrics, *args]) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("variant", "guidance", "cfg"), [("dev", 5.0, 1.0), ("dev", None, 2.0), ("schnell", None, 3.0)]
+)
+def test_eval_samples_as_the_rollout(flux_dirs, tmp_path, variant, guidance, cfg) -> None:
+    """``eval`` samples with FluxPipeline itself, guided as the family guides rollouts
+    (embedded guidance, and true CFG against the empty prompt): its images are ours."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    settings = ["--steps", "3", "--resolution", str(SIZE), "--max-sequence-length", "32"]
+    settings += ["--guidance-scale", str(cfg)]
+    settings += [] if guidance is None else ["--guidance", str(guidance)]
+    model = flux_dirs[variant]
+    summary = _eval(tmp_path / "eval", "--model", str(model), "--prompts", str(prompts), *settings)
+    assert summary["settings"]["guidance"] == guidance
+    policy = Policy.load(model, SPEC, guidance=guidance)
+    # eval seeds image i with seed + i; the pipeline draws each image's noise unpacked.
+    seeded = [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]
+    noise = torch.cat([torch.randn(1, *policy.latent_shape(SIZE), generator=g) for g in seeded])
+    batch = _rollout(policy, noise, 3, adapter="reference", guidance_scale=cfg)
+    for index, ours in enumerate(to_uint8_images(batch.images).astype(int)):
+        theirs = np.asarray(Image.open(tmp_path / f"eval/images/{index:05d}.png"), dtype=int)
+        assert np.abs(ours - theirs).max() <= 1  # values a rounding apart may round apart
+
+
+def test_eval_of_a_run_takes_its_embedded_guidance(flux_dirs, tmp_path) -> None:
+    run = tmp_path / "run"
+    overrides = [f"model.path={flux_dirs['dev']}", f"run.directory={run}", "model.guidance=5.0"]
+    assert main(["train", "--preset", "tiny", *overrides, *TRAIN]) == 0
+    summary = _eval(tmp_path / "eval", "--lora", str(run / "lora"), "--prompts", "general",
+                    "--max-prompts", "1")  # fmt: skip
+    assert summary["settings"]["guidance"] == 5.0

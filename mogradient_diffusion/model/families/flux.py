@@ -99,6 +99,19 @@ class Flux(Family):
                 "classifier-free guidance)"
             )
 
+    def pipeline_guidance(
+        self, pipeline: Any, guidance_scale: float, guidance: float | None, rows: int
+    ) -> dict[str, Any]:
+        """FluxPipeline's ``guidance_scale`` is the embedded guidance (ignored by schnell);
+        classifier-free guidance is its ``true_cfg_scale`` with a negative prompt."""
+        self.check_guidance(pipeline, guidance)
+        options: dict[str, Any] = {
+            "guidance_scale": DEFAULT_GUIDANCE if guidance is None else guidance
+        }
+        if guidance_scale != 1.0:
+            options.update(true_cfg_scale=guidance_scale, negative_prompt=[""] * rows)
+        return options
+
     def decode(self, pipeline: Any, latents: torch.Tensor) -> torch.Tensor:
         vae = pipeline.vae
         scaled = latents / vae.config.scaling_factor + vae.config.shift_factor
