@@ -150,6 +150,13 @@ def _add_eval_parser(commands) -> None:
         + ")",
     )
     evaluate.add_argument(
+        "--guidance",
+        type=float,
+        help="embedded guidance of models that have one, FLUX.1-dev ("
+        + from_run("model.guidance", "the model's default, 3.5 for FLUX.1-dev")
+        + ")",
+    )
+    evaluate.add_argument(
         "--resolution",
         type=int,
         help="image side in pixels (" + from_run("rollout.resolution", "the model's own") + ")",
@@ -194,7 +201,15 @@ def _add_eval_parser(commands) -> None:
 
 
 # Flags whose default comes from the LoRA's run when it has one (EvalSettings field names).
-RUN_FLAGS = ("model", "steps", "guidance_scale", "resolution", "max_sequence_length", "dtype")
+RUN_FLAGS = (
+    "model",
+    "steps",
+    "guidance_scale",
+    "guidance",
+    "resolution",
+    "max_sequence_length",
+    "dtype",
+)
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -46,6 +46,7 @@ PROTOCOL = (
     "max_prompts",
     "steps",
     "guidance_scale",
+    "guidance",
     "resolution",
     "max_sequence_length",
     "dtype",

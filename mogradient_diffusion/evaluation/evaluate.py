@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from mogradient_diffusion.evaluation.grid import save_grid
 from mogradient_diffusion.evaluation.inputs import check_lora, check_output_dir, resolve_device
 from mogradient_diffusion.model import pipeline_files
+from mogradient_diffusion.model.families import family_of_pipeline_class
 from mogradient_diffusion.model.policy import DTYPES
 from mogradient_diffusion.prompts.sources import PromptSource, load_prompt_file
 from mogradient_diffusion.rewards import RewardSet, make_reward
@@ -53,6 +54,7 @@ class EvalSettings:
     metric_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     steps: int = 40
     guidance_scale: float = 1.0
+    guidance: float | None = None  # embedded guidance (FLUX.1-dev); None: the family's default
     resolution: int | None = None  # None: the pipeline's default size
     max_sequence_length: int = 256  # T5 tokens; match the value the model was trained with
     images_per_prompt: int = 1
@@ -103,6 +105,8 @@ def _range_problems(settings: EvalSettings) -> list[str]:
     ]
     if settings.guidance_scale < 0:
         problems.append(f"--guidance-scale must be >= 0, got {settings.guidance_scale}")
+    if settings.guidance is not None and not settings.guidance > 0:
+        problems.append(f"--guidance must be > 0, got {settings.guidance}")
     size = settings.resolution
     if size is not None and (size <= 0 or size % 16):
         problems.append(f"--resolution must be a positive multiple of 16 (SD3), got {size}")
@@ -185,6 +189,7 @@ def library_progress_bars(enabled: bool) -> Iterator[None]:
 QUIETED = (
     ("diffusers.loaders.lora_base", "No LoRA keys associated to"),
     ("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3", "was truncated"),
+    ("diffusers.pipelines.flux.pipeline_flux", "was truncated"),
     ("diffusers.loaders.peft", "was unsuccessful with the following error"),
     ("diffusers.utils.peft_utils", "led to unexpected keys found in the model"),
 )
@@ -208,10 +213,17 @@ def _dropping(text: str) -> Callable[[logging.LogRecord], bool]:
 
 
 def truncated_prompts(pipeline, prompts: Sequence[str], max_sequence_length: int) -> int:
-    """Distinct prompts that CLIP (its 77 tokens) or T5 (``max_sequence_length``) cut short."""
-    limits = [(pipeline.tokenizer, pipeline.tokenizer.model_max_length)]
-    if pipeline.tokenizer_3 is not None:
-        limits.append((pipeline.tokenizer_3, max_sequence_length))
+    """Distinct prompts that a text encoder cuts short: CLIP at its 77 tokens, the others
+    (T5) at ``max_sequence_length``, whichever of the pipeline's tokenizers it has."""
+    from transformers import CLIPTokenizer
+
+    limits = [
+        (tokenizer, tokenizer.model_max_length)
+        if isinstance(tokenizer, CLIPTokenizer)
+        else (tokenizer, max_sequence_length)
+        for name, tokenizer in pipeline.components.items()
+        if name.startswith("tokenizer") and tokenizer is not None
+    ]
     return sum(
         any(len(tokenizer(prompt, verbose=False).input_ids) > limit for tokenizer, limit in limits)
         for prompt in set(prompts)
@@ -238,19 +250,24 @@ def plan_samples(source: PromptSource, images_per_prompt: int, seed: int) -> lis
 
 
 def generate(pipeline, samples: Sequence[Sample], settings: EvalSettings) -> torch.Tensor:
-    """Images [B, 3, H, W] in [0, 1] for ``samples`` with the pipeline's own sampler."""
+    """Images [B, 3, H, W] in [0, 1] for ``samples`` with the pipeline's own sampler,
+    guided as the model's family guides its rollouts."""
     device = pipeline.device
     generators = [torch.Generator(device).manual_seed(s.seed) for s in samples]
     size = settings.resolution
+    family = family_of_pipeline_class(type(pipeline).__name__)
+    guidance = family.pipeline_guidance(
+        pipeline, settings.guidance_scale, settings.guidance, len(samples)
+    )
     images = pipeline(
         prompt=[s.prompt for s in samples],
         num_inference_steps=settings.steps,
-        guidance_scale=settings.guidance_scale,
         height=size,
         width=size,
         generator=generators,
         max_sequence_length=settings.max_sequence_length,
         output_type="pt",
+        **guidance,
     ).images
     return images.float().clamp(0, 1).cpu()
 

@@ -25,6 +25,7 @@ TRANSFORMER_PREFIX = "transformer."
 RUN_SETTINGS = {
     "steps": ("rollout", "steps"),
     "guidance_scale": ("rollout", "guidance_scale"),
+    "guidance": ("model", "guidance"),
     "resolution": ("rollout", "resolution"),
     "max_sequence_length": ("rollout", "max_sequence_length"),
     "dtype": ("model", "dtype"),

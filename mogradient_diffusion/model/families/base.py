@@ -66,6 +66,17 @@ class Family(ABC):
                 "guidance)"
             )
 
+    def pipeline_guidance(
+        self, pipeline: Any, guidance_scale: float, guidance: float | None, rows: int
+    ) -> dict[str, Any]:
+        """Keyword arguments that make ``pipeline(...)`` (``rows`` prompts) guide as the
+        rollout does: CFG at ``guidance_scale`` against the empty prompt, and ``guidance``.
+
+        By default the pipeline's ``guidance_scale`` is CFG with an empty negative prompt.
+        """
+        self.check_guidance(pipeline, guidance)
+        return {"guidance_scale": guidance_scale}
+
     def combine_guidance(
         self, uncond: torch.Tensor, cond: torch.Tensor, scale: float
     ) -> torch.Tensor:
