@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 from mogradient_diffusion.model.families.base import Family
+from mogradient_diffusion.model.families.qwen_image import QwenImage
 from mogradient_diffusion.model.families.sd3 import SD3
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (SD3(),)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (SD3(), QwenImage())}
 
 
 def family_named(name: str) -> Family:
