@@ -19,7 +19,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str | None = None  # a saved diffusers pipeline; None = build the tiny SD3 one
-    # auto = from the pipeline's class (model_index.json); or sd3 (SD3, SD3.5), flux (FLUX.1)
+    # auto = from the pipeline's class (model_index.json); or sd3 (SD3, SD3.5), flux
+    # (FLUX.1 dev, schnell), qwen_image
     family: str = "auto"
     # Embedded (distilled) guidance of models that have one (FLUX.1-dev); None = none or
     # the family's default. Classifier-free guidance is rollout.guidance_scale.

@@ -61,8 +61,8 @@ class LoraSpec:
             )
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
-    def peft_config(self):
-        """The equivalent ``peft.LoraConfig``."""
+    def peft_config(self, exclude_modules: Sequence[str] = ()):
+        """The equivalent ``peft.LoraConfig``, skipping the ``exclude_modules`` (full names)."""
         from peft import LoraConfig
 
         return LoraConfig(
@@ -71,6 +71,7 @@ class LoraSpec:
             lora_dropout=self.dropout,
             init_lora_weights=LORA_INITS[self.init],
             target_modules=list(self.target_modules),
+            exclude_modules=list(exclude_modules) or None,
         )
 
 
@@ -149,10 +150,11 @@ class Policy:
         if gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         _check_targets(transformer, lora.target_modules)
+        excluded = found.lora_excluded(transformer)
         with warnings.catch_warnings():  # peft warns that a second adapter is a second adapter
             warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-            transformer.add_adapter(lora.peft_config(), adapter_name="default")
-            transformer.add_adapter(lora.peft_config(), adapter_name="old")
+            transformer.add_adapter(lora.peft_config(excluded), adapter_name="default")
+            transformer.add_adapter(lora.peft_config(excluded), adapter_name="old")
         transformer.set_adapter("default")
         policy = cls(pipeline, lora, found, guidance)
         policy._upcast_lora()

@@ -82,7 +82,7 @@ def rollout(
     """Sample ``images_per_prompt`` images for each prompt with ``adapter``'s velocity, no grad.
 
     ``guidance_scale != 1`` turns on CFG against ``negative_embeds`` (one row, or one per
-    image; the empty prompt by default). ``noise`` [B, C, h, w] replaces the initial noise
+    image; the family's negative prompt by default). ``noise`` [B, C, h, w] replaces noise
     drawn from ``generator``. ``batch_size`` images go through the sampler at a time;
     deterministic samplers give the same images for any ``batch_size``. ``shift`` overrides
     the family schedule's time shift. ``sampler``, ``noise_level`` (the SDE's eta),
@@ -187,7 +187,7 @@ def _negative_rows(
     if guidance_scale == 1.0:
         return None
     if negative is None:
-        negative = policy.encode_prompts([""], max_sequence_length)
+        negative = policy.encode_prompts([policy.family.negative_prompt], max_sequence_length)
     if len(negative) == 1:
         negative = negative.repeat_interleave(total)
     if len(negative) != total:

@@ -48,7 +48,7 @@ def test_the_family_can_be_named_instead_of_detected(tiny_pipeline_dir: Path) ->
 def test_guidance_is_refused_where_the_model_has_none(tiny_pipeline_dir: Path) -> None:
     with pytest.raises(ValueError, match="sd3 models have no embedded guidance"):
         Policy.load(tiny_pipeline_dir, LoraSpec(rank=2, alpha=2.0), guidance=3.5)
-    with pytest.raises(ConfigError, match="model.guidance must be > 0"):
+    with pytest.raises(ConfigError, match=r"model\.guidance must be > 0"):
         load_config(preset="tiny", overrides=["model.guidance=0"])
 
 

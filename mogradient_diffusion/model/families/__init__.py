@@ -7,9 +7,10 @@ from pathlib import Path
 
 from mogradient_diffusion.model.families.base import Family
 from mogradient_diffusion.model.families.flux import Flux
+from mogradient_diffusion.model.families.qwen_image import QwenImage
 from mogradient_diffusion.model.families.sd3 import SD3
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (SD3(), Flux())}
+FAMILIES: dict[str, Family] = {family.name: family for family in (SD3(), Flux(), QwenImage())}
 
 
 def family_named(name: str) -> Family:

@@ -30,11 +30,19 @@ class Family(ABC):
     pipeline_class_name: str
     # The reference trainers' LoRA targets for this family (peft suffix matching).
     lora_targets: tuple[str, ...]
+    # CFG's unconditional prompt when the caller gives none (the pipeline's convention).
+    negative_prompt: str = ""
 
     def pipeline_class(self) -> type:
         import diffusers
 
         return getattr(diffusers, self.pipeline_class_name)
+
+    def lora_excluded(self, transformer: nn.Module) -> tuple[str, ...]:
+        """Full names of modules whose outputs never reach the velocity: a LoRA there would
+        get no gradient (the trainer refuses parameters no objective reaches), so adapters
+        skip them whatever the targets say. None by default."""
+        return ()
 
     @abstractmethod
     def encode_prompts(
