@@ -94,6 +94,17 @@ class QwenImage(Family):
         )[0]
         return self._unpack(packed, height, width)
 
+    def pipeline_guidance(
+        self, pipeline: Any, guidance_scale: float, guidance: float | None, rows: int
+    ) -> dict[str, Any]:
+        """QwenImagePipeline guides through ``true_cfg_scale`` against a negative prompt (its
+        default 4.0 applies only when a negative prompt is given): the rollout's negative."""
+        self.check_guidance(pipeline, guidance)
+        options: dict[str, Any] = {"true_cfg_scale": guidance_scale}
+        if guidance_scale != 1.0:
+            options["negative_prompt"] = [self.negative_prompt] * rows
+        return options
+
     def combine_guidance(
         self, uncond: torch.Tensor, cond: torch.Tensor, scale: float
     ) -> torch.Tensor:
