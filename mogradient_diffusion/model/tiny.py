@@ -65,7 +65,7 @@ def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     vocabulary = tuple(dict.fromkeys(DEFAULT_WORDS + tuple(w.lower() for w in words)))
     torch.manual_seed(spec.seed)
@@ -85,19 +85,7 @@ def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...
     }
     text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_config))
     text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_config))
-    text_encoder_3 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tokenizer.get_vocab()),
-            d_model=spec.t5_width,
-            d_kv=spec.t5_width // 4,
-            d_ff=2 * spec.t5_width,
-            num_layers=1,
-            num_heads=4,
-            pad_token_id=t5_tokenizer.pad_token_id,
-            eos_token_id=t5_tokenizer.eos_token_id,
-            decoder_start_token_id=t5_tokenizer.pad_token_id,
-        )
-    )
+    text_encoder_3 = _t5_encoder(t5_tokenizer, spec.t5_width)
     transformer = SD3Transformer2DModel(
         sample_size=spec.latent_size,
         patch_size=2,
@@ -147,6 +135,25 @@ def save_tiny_pipeline(
     directory = Path(directory)
     build_tiny_pipeline(spec, words).save_pretrained(directory)
     return directory
+
+
+def _t5_encoder(tokenizer, width: int):
+    """A one-layer T5 encoder of ``width`` over ``tokenizer``'s vocabulary (SD3's and FLUX's)."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer.get_vocab()),
+            d_model=width,
+            d_kv=width // 4,
+            d_ff=2 * width,
+            num_layers=1,
+            num_heads=4,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
 
 
 def _clip_tokenizer(vocabulary: tuple[str, ...], max_length: int = CLIP_MAX_LENGTH):

@@ -20,6 +20,7 @@ from mogradient_diffusion.model.tiny import (
     CLIP_MAX_LENGTH,
     DEFAULT_WORDS,
     _clip_tokenizer,
+    _t5_encoder,
     _t5_tokenizer,
 )
 
@@ -74,7 +75,7 @@ def build_tiny_flux_pipeline(spec: TinyFluxSpec = TinyFluxSpec(), words: tuple[s
         FluxPipeline,
         FluxTransformer2DModel,
     )
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     vocabulary = tuple(dict.fromkeys(DEFAULT_WORDS + tuple(w.lower() for w in words)))
     torch.manual_seed(spec.seed)
@@ -94,19 +95,7 @@ def build_tiny_flux_pipeline(spec: TinyFluxSpec = TinyFluxSpec(), words: tuple[s
             pad_token_id=clip_tokenizer.pad_token_id,
         )
     )
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tokenizer.get_vocab()),
-            d_model=spec.t5_width,
-            d_kv=spec.t5_width // 4,
-            d_ff=2 * spec.t5_width,
-            num_layers=1,
-            num_heads=4,
-            pad_token_id=t5_tokenizer.pad_token_id,
-            eos_token_id=t5_tokenizer.eos_token_id,
-            decoder_start_token_id=t5_tokenizer.pad_token_id,
-        )
-    )
+    text_encoder_2 = _t5_encoder(t5_tokenizer, spec.t5_width)
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=4 * spec.latent_channels,
