@@ -11,14 +11,29 @@ from typing import Any
 
 import torch
 
-from mogradient_diffusion.model.families import (
-    Family,
-    detect_family,
-    family_named,
-    family_of_pipeline_class,
-)
+from mogradient_diffusion.model.families import Family, detect_family, family_named
 
 AUTO = "auto"  # model.family: read it from the pipeline's model_index.json
+
+
+def pipeline_family(path: str | os.PathLike, family: str = AUTO) -> Family:
+    """The family of the pipeline at ``path``, known before it loads (a run's config is
+    resolved and checked first): ``family`` by name, or the class its model_index.json
+    names; for a hub id only that file is fetched."""
+    local = _is_local(path)
+    if local:
+        _check_pipeline_dir(Path(path).expanduser())
+    if family != AUTO:
+        return family_named(family)
+    if local:
+        return detect_family(Path(path).expanduser())
+    from huggingface_hub import hf_hub_download
+
+    try:
+        index = Path(hf_hub_download(str(path), "model_index.json"))
+    except (OSError, ValueError) as error:
+        raise _not_loadable(path, error) from error
+    return detect_family(index.parent)
 
 
 def load_pipeline(
@@ -26,32 +41,29 @@ def load_pipeline(
 ) -> tuple[Any, Family]:
     """The pipeline at ``path`` (a local directory, or a hub id unless ``HF_HUB_OFFLINE``) and
     its family: ``family`` by name, or detected from the pipeline's class."""
+    chosen = pipeline_family(path, family)
     local = _is_local(path)
-    chosen = None if family == AUTO else family_named(family)
     if local:
         path = Path(path).expanduser()
-        _check_pipeline_dir(path)
-        if chosen is None:
-            chosen = detect_family(path)
     try:
         with warnings.catch_warnings():  # newer diffusers renamed torch_dtype to dtype
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-            if chosen is None:
-                from diffusers import DiffusionPipeline
-
-                pipeline = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype)
-                return pipeline, family_of_pipeline_class(type(pipeline).__name__)
             return chosen.pipeline_class().from_pretrained(path, torch_dtype=dtype), chosen
     except (OSError, ValueError) as error:
         if local:
             raise
-        from huggingface_hub import constants
+        raise _not_loadable(path, error) from error
 
-        offline = " (HF_HUB_OFFLINE is set: only the local cache was tried)"
-        raise FileNotFoundError(
-            f"{str(path)!r} is not a local directory and could not be loaded as a hub model"
-            f"{offline if constants.HF_HUB_OFFLINE else ''}: {error}"
-        ) from error
+
+def _not_loadable(path: str | os.PathLike, error: Exception) -> FileNotFoundError:
+    """One message for a hub id that could not be fetched (offline, unknown, no access)."""
+    from huggingface_hub import constants
+
+    offline = " (HF_HUB_OFFLINE is set: only the local cache was tried)"
+    return FileNotFoundError(
+        f"{str(path)!r} is not a local directory and could not be loaded as a hub model"
+        f"{offline if constants.HF_HUB_OFFLINE else ''}: {error}"
+    )
 
 
 def _is_local(path: str | os.PathLike) -> bool:
@@ -89,4 +101,4 @@ def _check_pipeline_dir(path: Path) -> None:
         )
 
 
-__all__ = ["AUTO", "load_pipeline"]
+__all__ = ["AUTO", "load_pipeline", "pipeline_family"]

@@ -9,6 +9,7 @@ reference (the base model, adapters disabled). peft's ``set_adapter`` flips
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -21,12 +22,9 @@ from torch import nn
 
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.model.families import Family
-from mogradient_diffusion.model.families.sd3 import SD3
 from mogradient_diffusion.model.pipeline_files import AUTO, load_pipeline
 
 ADAPTERS = ("default", "old", "reference")
-# The attention projections, by bare name: they match every family's joint attention.
-LORA_TARGETS = SD3.lora_targets
 LORA_INITS = {"gaussian": "gaussian", "kaiming": True}
 # Config names of the transformer dtypes (model.dtype, eval --dtype).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,15 +34,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LoraSpec:
     """LoRA hyper-parameters; defaults are DiffusionNFT's (r=32, alpha=64, gaussian init).
 
-    Targets are bare module names, so they also match the second attention (``attn2``)
-    of SD3.5's dual-attention blocks, which the reference's ``attn.to_q``-style names miss.
+    ``target_modules`` None stands for the model family's own list
+    (:attr:`Family.lora_targets <mogradient_diffusion.model.families.base.Family>`, what
+    the reference trainers adapt on that model): one default could not fit every family,
+    since FLUX and Qwen-Image train their MLPs too. :meth:`for_family` fills it in, and
+    :meth:`Policy.load` does so with the family it loads. Names match as peft matches them:
+    a module's full name or its tail.
     """
 
     rank: int = 32
     alpha: float = 64.0
     dropout: float = 0.0
     init: str = "gaussian"
-    target_modules: tuple[str, ...] = LORA_TARGETS
+    target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -55,16 +57,30 @@ class LoraSpec:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.init not in LORA_INITS:
             raise ValueError(f"init must be one of {sorted(LORA_INITS)}, got {self.init!r}")
+        if self.target_modules is None:
+            return
         if not self.target_modules or not all(isinstance(t, str) for t in self.target_modules):
             raise ValueError(
-                f"target_modules must be non-empty strings, got {self.target_modules!r}"
+                "target_modules must be non-empty strings (or null for the model family's), "
+                f"got {self.target_modules!r}"
             )
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
+    def for_family(self, family: Family) -> LoraSpec:
+        """This spec with ``family``'s targets in place of None; given targets are kept."""
+        if self.target_modules is not None:
+            return self
+        return dataclasses.replace(self, target_modules=family.lora_targets)
+
     def peft_config(self, exclude_modules: Sequence[str] = ()):
-        """The equivalent ``peft.LoraConfig``, skipping the ``exclude_modules`` (full names)."""
+        """The equivalent ``peft.LoraConfig``, skipping the ``exclude_modules`` (full names).
+
+        The targets must be resolved (:meth:`for_family`): None would make peft guess.
+        """
         from peft import LoraConfig
 
+        if self.target_modules is None:
+            raise ValueError("target_modules is None: resolve it with for_family(family) first")
         return LoraConfig(
             r=self.rank,
             lora_alpha=self.alpha,
@@ -137,8 +153,10 @@ class Policy:
 
         ``family`` names the model family, or ``"auto"`` reads it from the pipeline.
         ``guidance`` is the embedded guidance of models that have one (FLUX.1-dev).
+        ``lora`` without targets takes the loaded family's; ``policy.lora`` holds them.
         """
         pipeline, found = load_pipeline(path, dtype, family)
+        lora = lora.for_family(found)
         found.check_guidance(pipeline, guidance)
         pipeline = pipeline.to(device)
         pipeline.set_progress_bar_config(disable=True)
@@ -335,7 +353,6 @@ def _check_adapter(adapter: str) -> None:
 __all__ = [
     "ADAPTERS",
     "DTYPES",
-    "LORA_TARGETS",
     "LoraSpec",
     "Policy",
 ]

@@ -20,9 +20,18 @@ from mogradient_diffusion.config.loading import ConfigError
 # Never part of the comparison: the length of the run, console noise, the directory
 # itself (a run may be moved), and the gradient engine (the same gradients up to round-off).
 FREE = ("train.epochs", "run.quiet", "run.directory", "train.gradient_engine")
-# Cached weights, prompt streams, RNG streams and adapter shapes are saved under these.
-# The objective's name too: its saved state (an advantage tracker) belongs to it.
-FIXED = ("rewards", "strategy", "prompts", "run.seed", "lora.rank", "model.path", "objective.name")
+# Cached weights, prompt streams, RNG streams and adapter shapes (rank, targets) are saved
+# under these. The objective's name too: its saved state (an advantage tracker) belongs to it.
+FIXED = (
+    "rewards",
+    "strategy",
+    "prompts",
+    "run.seed",
+    "lora.rank",
+    "lora.target_modules",
+    "model.path",
+    "objective.name",
+)
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple]:

@@ -40,7 +40,9 @@ from mogradient.combinable import CombinableLoss
 from mogradient.distributed import apply_weights
 from mogradient.gradients import accumulate_gradients
 from mogradient_diffusion.config.loading import ConfigError, TrainingConfig
+from mogradient_diffusion.model.families import Family, family_named
 from mogradient_diffusion.model.families.base import UnsupportedGuidance
+from mogradient_diffusion.model.pipeline_files import AUTO, pipeline_family
 from mogradient_diffusion.model.policy import (
     DTYPES,
     LoraTargetError,
@@ -143,7 +145,6 @@ class Trainer:
         allow_config_change: bool = False,
         callbacks: Sequence[TrainerCallback] = (),
     ) -> None:
-        self.config = config
         self.world = world
         self.allow_config_change = allow_config_change
         self.callbacks = tuple(callbacks)
@@ -151,6 +152,11 @@ class Trainer:
         self.rewards = build_rewards(config)
         self.reward_names = [r.name for r in config.rewards]
         self.prompt_sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
+        family = _model_family(config)
+        # The LoRA targets the run uses (the family's unless the config names them) are
+        # part of its config: recorded in config.yaml and checkpoints, compared on resume.
+        config = dataclasses.replace(config, lora=config.lora.for_family(family))
+        self.config = config
         self._restored, self._resume_changes = saved_run(
             self.run_dir, config.to_dict(), self.prompt_sampler, allow_config_change, self._warn
         )
@@ -169,7 +175,7 @@ class Trainer:
                 device=world.device,
                 dtype=DTYPES[config.model.dtype],
                 gradient_checkpointing=config.model.gradient_checkpointing,
-                family=config.model.family,
+                family=family.name,
                 guidance=config.model.guidance,
             )
         except (LoraTargetError, UnsupportedGuidance) as error:
@@ -699,6 +705,18 @@ def build_rewards(config: TrainingConfig) -> RewardSet:
         except Exception as error:
             raise ConfigError(f"reward {reward.name!r} could not be built: {error}") from error
     return RewardSet(rewards)
+
+
+def _model_family(config: TrainingConfig) -> Family:
+    """The family of the configured model, before it loads; without ``model.path`` it is
+    the tiny pipeline's, SD3. A pipeline class no family trains is a config error."""
+    model = config.model
+    if model.path is None:
+        return family_named("sd3" if model.family == AUTO else model.family)
+    try:
+        return pipeline_family(model.path, model.family)
+    except ValueError as error:  # an unsupported pipeline class, an unreadable index
+        raise ConfigError(f"model.path {model.path}: {error}") from None
 
 
 def has_signal(advantages: torch.Tensor) -> torch.Tensor:

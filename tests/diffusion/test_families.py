@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mogradient_diffusion.cli import main
 from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.config.settings import ConfigError
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
@@ -19,6 +20,7 @@ from mogradient_diffusion.model.families import (
     family_named,
     family_of_pipeline_class,
 )
+from mogradient_diffusion.model.pipeline_files import pipeline_family
 from mogradient_diffusion.model.policy import LoraSpec, Policy
 
 
@@ -36,6 +38,29 @@ def test_unknown_families_are_refused_with_the_choices(tiny_pipeline_dir, tmp_pa
     (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanPipeline"}))
     with pytest.raises(ValueError, match="no model family trains a WanPipeline"):
         Policy.load(other, LoraSpec(rank=2, alpha=2.0))
+
+
+def test_training_an_unsupported_pipeline_is_a_config_error_before_it_loads(
+    tiny_pipeline_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The family is read from model_index.json first: the LoRA targets the run records
+    depend on it, so an unknown class is one line, exit 2, and no run is written."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_pipeline_dir, other)
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanPipeline"}))
+    run = tmp_path / "run"
+    arguments = ["train", "--preset", "tiny", f"model.path={other}", f"run.directory={run}"]
+    assert main([*arguments, "run.quiet=true"]) == 2
+    error = capsys.readouterr().err
+    assert "no model family trains a WanPipeline" in error and "Traceback" not in error
+    assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="could not be loaded as a hub model"):
+        pipeline_family("someone/no-such-pipeline")
 
 
 def test_the_family_can_be_named_instead_of_detected(tiny_pipeline_dir: Path) -> None:

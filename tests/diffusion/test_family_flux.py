@@ -117,6 +117,21 @@ def test_a_saved_flux_pipeline_is_detected_and_loads(flux_dirs, variant: str) ->
         policy.latent_shape(40)  # the VAE tiles 8 px, the 2x2 packing 16
 
 
+def test_the_default_lora_spec_takes_the_flux_targets(flux_dirs) -> None:
+    """A spec without targets gets Flow-GRPO's FLUX list, MLPs included, not SD3's
+    attention-only one: 12 modules in the dual block, q/k/v in the single block."""
+    policy = Policy.load(flux_dirs["dev"], LoraSpec(rank=4, alpha=8))
+    assert policy.lora.target_modules == Flux.lora_targets
+    adapted = {name.rsplit(".lora_", 1)[0] for name in policy.lora_state("default")}
+    assert len(adapted) == 12 + 3
+    assert {
+        "transformer_blocks.0.ff.net.2",
+        "transformer_blocks.0.ff_context.net.0.proj",
+    } <= adapted
+    single = {name for name in adapted if name.startswith("single_transformer_blocks.0.")}
+    assert single == {f"single_transformer_blocks.0.attn.to_{x}" for x in "qkv"}
+
+
 def test_embedded_guidance_is_refused_where_the_model_has_none(flux_dirs) -> None:
     with pytest.raises(UnsupportedGuidance, match="no guidance embedding"):
         Policy.load(flux_dirs["schnell"], SPEC, guidance=3.5)

@@ -94,6 +94,17 @@ def test_the_tiny_pipeline_is_detected_and_loads(tiny_dir: Path, pipeline) -> No
         Policy.load(tiny_dir, LoraSpec(rank=2, alpha=2.0), guidance=3.5)
 
 
+def test_the_default_lora_spec_takes_the_qwen_image_targets(tiny_dir: Path) -> None:
+    """A spec without targets gets the reference trainers' Qwen-Image list (attention and
+    both streams' MLPs): 12 modules a block, less the last block's 3 discarded text outputs."""
+    policy = Policy.load(tiny_dir, LoraSpec(rank=2, alpha=2.0))
+    assert policy.lora.target_modules == QwenImage.lora_targets
+    adapted = {name.rsplit(".lora_", 1)[0] for name in policy.lora_state("default")}
+    blocks = len(policy.transformer.transformer_blocks)
+    assert blocks == 2 and len(adapted) == 12 * blocks - 3
+    assert {"transformer_blocks.0.img_mlp.net.2", "transformer_blocks.0.txt_mlp.net.2"} <= adapted
+
+
 @pytest.mark.parametrize("guidance", [1.0, GUIDANCE], ids=["no_cfg", "true_cfg"])
 def test_sampling_matches_the_diffusers_pipeline(policy: Policy, pipeline, guidance) -> None:
     """The ODE rollout of the base model (adapter "reference") from the same noise gives

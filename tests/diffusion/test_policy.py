@@ -11,7 +11,9 @@ import torch
 from tolerances import chain_atol
 
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
-from mogradient_diffusion.model.policy import LORA_TARGETS, LoraSpec, Policy
+from mogradient_diffusion.model.families.flux import Flux
+from mogradient_diffusion.model.families.sd3 import SD3
+from mogradient_diffusion.model.policy import LoraSpec, Policy
 from mogradient_diffusion.training.ema import ParameterEMA, old_decay
 
 SPEC = LoraSpec(rank=4, alpha=8)
@@ -58,10 +60,14 @@ def test_lora_targets_include_dual_attention(policy: Policy) -> None:
     modules = dict(policy.transformer.named_modules())
     block = "transformer_blocks.0"
     attn2 = [f"{block}.attn2.{t}" for t in ("to_q", "to_k", "to_v", "to_out.0")]
-    attn = [f"{block}.attn.{t}" for t in LORA_TARGETS]
+    attn = [f"{block}.attn.{t}" for t in SD3.lora_targets]
     for name in attn + attn2:
         assert set(modules[name].lora_A.keys()) == {"default", "old"}, name
     assert any(".attn2." in name for name in policy.lora_state("default"))
+    # The spec named no targets: the policy records SD3's, the attention projections only.
+    assert policy.lora.target_modules == SD3.lora_targets
+    adapted = {name.rsplit(".lora_", 1)[0] for name in policy.lora_state("default")}
+    assert all(any(name.endswith("." + t) for t in SD3.lora_targets) for name in adapted)
 
 
 def test_adapters_start_identical_and_only_default_trains(policy: Policy) -> None:
@@ -207,9 +213,16 @@ def test_prompt_embeddings_helpers() -> None:
 def test_lora_spec_defaults_and_validation() -> None:
     spec = LoraSpec()
     assert (spec.rank, spec.alpha, spec.init) == (32, 64.0, "gaussian")
-    assert set(spec.target_modules) == set(LORA_TARGETS)
-    config = spec.peft_config()
+    assert spec.target_modules is None  # the model family's, once it is known
+    with pytest.raises(ValueError, match="for_family"):
+        spec.peft_config()
+    assert spec.for_family(SD3()).target_modules == SD3.lora_targets
+    assert spec.for_family(Flux()).target_modules == Flux.lora_targets
+    chosen = LoraSpec(target_modules=["to_q"])
+    assert chosen.target_modules == ("to_q",) and chosen.for_family(Flux()) is chosen
+    config = spec.for_family(SD3()).peft_config()
     assert config.r == 32 and config.lora_alpha == 64 and config.init_lora_weights == "gaussian"
+    assert config.target_modules == set(SD3.lora_targets)
     for bad in (
         {"rank": 0},
         {"alpha": 0},

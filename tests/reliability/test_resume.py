@@ -10,6 +10,7 @@ import yaml
 
 from mogradient_diffusion.cli import main
 from mogradient_diffusion.config.loading import ConfigError, load_config
+from mogradient_diffusion.model.families.sd3 import SD3
 from mogradient_diffusion.runs.checkpoint import latest_checkpoint, load_checkpoint
 from mogradient_diffusion.runs.resume import check_resume
 
@@ -40,6 +41,7 @@ def test_a_changed_learning_rate_is_refused_naming_the_key(
     ("override", "key"),
     [
         ("lora.rank=8", "lora.rank"),
+        ("lora.target_modules=[to_q, to_k]", "lora.target_modules"),
         ("run.seed=1", "run.seed"),
         ("strategy.name=weighted_sum", "strategy.name"),
         ("rewards=[{name: jpeg_incompressibility}]", "rewards"),
@@ -68,7 +70,16 @@ def test_an_allowed_change_reaches_the_optimizer_and_gets_its_own_record(
     assert (run_copy / "config.yaml").read_text() == first_config
     record = (run_copy / "resume-1.yaml").read_text()
     assert "# changed train.learning_rate: 0.001 -> 0.5" in record
+    assert record.count("# changed") == 1  # the family's LoRA targets are the saved ones
     assert yaml.safe_load(record)["train"]["learning_rate"] == 0.5
+
+
+def test_the_run_records_the_lora_targets_it_trained(trained_run: Path) -> None:
+    """lora.target_modules unset means the family's: config.yaml and the checkpoint name them."""
+    saved = yaml.safe_load((trained_run / "config.yaml").read_text())
+    assert saved["lora"]["target_modules"] == list(SD3.lora_targets)
+    state = load_checkpoint(latest_checkpoint(trained_run), weights_only=False)
+    assert state["config"]["lora"]["target_modules"] == list(SD3.lora_targets)
 
 
 def test_a_run_directory_with_another_config_and_no_checkpoint_is_refused(
@@ -76,6 +87,7 @@ def test_a_run_directory_with_another_config_and_no_checkpoint_is_refused(
 ) -> None:
     arguments = train_arguments(tmp_path, tiny_pipeline_dir, "train.learning_rate=0.1")
     other = load_config(preset="tiny", overrides=arguments[3:]).to_dict()
+    other["lora"]["target_modules"] = list(SD3.lora_targets)  # a trainer records them
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(other))
     assert main(train_arguments(tmp_path, tiny_pipeline_dir)) == 2
     error = _one_line_error(capsys)
