@@ -19,6 +19,8 @@ from mogradient.harmonizers.base import combine
 from mogradient_diffusion.cli import main
 from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
+from mogradient_diffusion.objectives.flow_grpo import FlowGRPOSettings
+from mogradient_diffusion.objectives.nft_loss import NFTSettings
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.trainer import EpochData, Trainer, TrainerCallback
@@ -248,12 +250,22 @@ def test_configuration_errors_are_one_line_before_any_model_loads(
     assert not (tmp_path / "tiny_model").exists()
 
 
-@pytest.mark.parametrize("recipe", sorted(Path("configs").glob("sd35m_*.yaml")), ids=str)
+# Each recipe family's processes, as its headers say (16 GPUs for SD3.5-M).
+RECIPE_GPUS = {"sd35m_": 16, "flux1dev_": 8, "qwen_image_": 4}
+
+
+def _recipe_world_size(recipe: Path) -> int:
+    if "base" in recipe.name:
+        return 1
+    return next(gpus for prefix, gpus in RECIPE_GPUS.items() if recipe.name.startswith(prefix))
+
+
+@pytest.mark.parametrize("recipe", sorted(Path("configs").glob("*.yaml")), ids=str)
 def test_shipped_recipes_validate(recipe: Path) -> None:
     from mogradient_diffusion.config import loading as config_module
     from mogradient_diffusion.rewards import REWARDS
 
-    world_size = 16 if "base" not in recipe.name else 1
+    world_size = _recipe_world_size(recipe)
     missing = sorted({"pickscore", "hpsv21", "clipscore", "geneval"} - set(REWARDS))
     if missing:  # the model-based rewards are registered by the rewards issue
         with pytest.raises(config_module.ConfigError, match=r"unknown reward\(s\)"):
@@ -265,6 +277,8 @@ def test_shipped_recipes_validate(recipe: Path) -> None:
             config = load_config(recipe, world_size=world_size)
     else:
         config = load_config(recipe, world_size=world_size)
+    if not recipe.name.startswith("sd35m_"):
+        return  # the other families' values: test_family_recipes_hold_their_headers_values
     assert config.rollout.images_per_prompt == 24
     settings = config.objective.settings
     expected = {  # the references' SD3.5-M values for each objective
@@ -273,6 +287,62 @@ def test_shipped_recipes_validate(recipe: Path) -> None:
         "sdpo": {"clip_range": 1e-4, "gamma": 0.99, "advantage_clip": 5.0},
     }[config.objective.name]
     assert {key: getattr(settings, key) for key in expected} == expected
+
+
+# What each family recipe's header cites: Flow-GRPO's FLUX.1-dev recipe, VeRL-Omni's
+# DiffusionNFT one for Qwen-Image.
+FAMILY_RECIPES: dict[str, dict[str, Any]] = {
+    "flux1dev": {
+        "model": ("flux", 3.5),
+        "rollout": (512, 6, 1.0, "sde", 24, 48, 128),
+        "train": (3e-4, 1e-4, 1.0, 0.99, "copy", None),
+        "objective": FlowGRPOSettings(kl_coefficient=0.0, noise_level=0.9),
+    },
+    "qwen_image": {
+        "model": ("qwen_image", None),
+        "rollout": (512, 10, 1.0, "euler", 16, 24, 256),
+        "train": (3e-4, 1e-4, 1.0, 1.0, "delayed_linear", None),
+        "objective": NFTSettings(beta=0.1, a_max=5.0, kl_coefficient=1e-4),
+    },
+}
+
+
+@pytest.mark.parametrize("strategy", ["marble", "weighted_sum"])
+@pytest.mark.parametrize("family", sorted(FAMILY_RECIPES))
+def test_family_recipes_hold_their_headers_values(family: str, strategy: str) -> None:
+    recipe = Path("configs") / f"{family}_{strategy}.yaml"
+    world_size = _recipe_world_size(recipe)
+    config = load_config(recipe, world_size=world_size)
+    model, lora, rollout, train = config.model, config.lora, config.rollout, config.train
+    expected = FAMILY_RECIPES[family]
+    assert (model.family, model.guidance) == expected["model"]
+    # Rank 64, alpha 128, and the family's own targets (the reference trainers' list).
+    assert (lora.rank, lora.alpha, lora.init, lora.target_modules) == (64, 128.0, "gaussian", None)
+    assert (
+        rollout.resolution,
+        rollout.steps,
+        rollout.guidance_scale,
+        rollout.sampler,
+        rollout.images_per_prompt,
+        rollout.prompts_per_epoch,
+        rollout.max_sequence_length,
+    ) == expected["rollout"]
+    assert (
+        train.learning_rate,
+        train.weight_decay,
+        train.grad_clip,
+        train.timestep_fraction,
+        train.old_schedule,
+        train.old_cap,
+    ) == expected["train"]
+    assert config.objective.settings == expected["objective"]
+    # Both references take 2 optimizer steps per epoch on their GPUs.
+    images = rollout.prompts_per_epoch * rollout.images_per_prompt // world_size
+    assert images // (train.batch_size * train.gradient_accumulation) == 2
+    if strategy == "marble":
+        assert (config.strategy.period, config.strategy.rho) == (10, 0.7)
+    else:
+        assert config.strategy.weights == [1.0] * len(config.rewards) == [1.0] * 5
 
 
 def _command(run_dir: Path, *extra: str) -> list[str]:
