@@ -1,25 +1,34 @@
-"""GPU cost of SD3.5-M-shaped DiffusionNFT training: rollout, training, MFU, MARBLE's overhead.
+"""GPU cost of DiffusionNFT training at SD3.5-M, FLUX.1-dev and Qwen-Image shapes: rollout,
+training, MFU, MARBLE's overhead.
 
-Why: the reference trainers publish no time or memory per step for SD3.5-M, and MARBLE's
-paper reports 0.97x of weighted-sum throughput amortized, 0.56x solving every step, and
-1.14x memory. This script measures those quantities on one accelerator, with the real
-trainer (``mogradient_diffusion.training.trainer.Trainer``: rollout, rewards, advantages, the NFT
-loss, per-reward gradients or one combined backward, MGDA, AdamW, EMA) on a model of the
-real shape, so that one command on an H100/H200 gives publishable figures.
+Why: the reference trainers publish no time or memory per step, and MARBLE's paper
+reports (for SD3.5-M) 0.97x of weighted-sum throughput amortized, 0.56x solving every
+step, and 1.14x memory. This script measures those quantities on one accelerator, with
+the real trainer (``mogradient_diffusion.training.trainer.Trainer``: rollout, rewards,
+advantages, the NFT loss, per-reward gradients or one combined backward, MGDA, AdamW,
+EMA) on a model of the real shape, so that one command on an H100/H200 gives
+publishable figures.
 
 What is real and what stands in (the output says so too):
 
-* transformer: ``SD3Transformer2DModel`` built from SD3.5-Medium's released
-  ``transformer/config.json`` (``SD35M_TRANSFORMER`` below), random weights; compute and
-  memory are those of the real model, the outputs are not;
-* VAE: ``AutoencoderKL`` of the SD3 VAE's shape (``SD3_VAE``), random weights;
+* transformer: the family's diffusers class built from the released
+  ``transformer/config.json`` (``mogradient_diffusion.model.memory``: SD3.5-Medium,
+  FLUX.1-dev, Qwen-Image), random weights; compute and memory are those of the real
+  model, the outputs are not;
+* VAE: the family's VAE class at the released shape, random weights;
 * text encoders: not run. ``Policy.encode_prompts`` is replaced by precomputed random
-  embeddings of the real shapes: pooled CLIP-L + CLIP-G [B, 2048], hidden states
-  77 CLIP tokens + 256 T5-XXL tokens of width 4096 [B, 333, 4096];
+  embeddings of the real shapes: SD3 pooled CLIP-L + CLIP-G [B, 2048] and hidden states
+  of 77 CLIP + 256 T5-XXL tokens [B, 333, 4096]; FLUX pooled CLIP-L [B, 768] and 128
+  T5-XXL tokens [B, 128, 4096]; Qwen-Image 256 Qwen2.5-VL tokens [B, 256, 3584] with an
+  all-ones mask;
 * rewards: K = 5 cheap image statistics (``standin_*``), registered as ordinary rewards;
-* LoRA, optimizer, NFT and batch settings: ``configs/sd35m_marble_5r.yaml`` (r = 32 on
-  ``policy.LORA_TARGETS``), with the per-GPU batch of 9 and one prompt group per
-  optimizer step unless ``--accumulation`` says otherwise.
+* optimizer, NFT and batch settings: ``configs/sd35m_marble_5r.yaml`` for every shape
+  (FLUX.1-dev's own recipe trains Flow-GRPO; this measures MARBLE's NFT loop on its
+  shape); LoRA rank, per-GPU batch, text length and embedded guidance from the family's
+  recipe (SD3.5-M r32 and batch 9; FLUX.1-dev r64, batch 3, guidance 3.5; Qwen-Image
+  r64 and batch 4, not its recipe's 12, which fits no single GPU on MARBLE's solve steps
+  by ``benchmarks/results/memory_estimate.md``), the family's LoRA targets, one prompt
+  group per optimizer step unless ``--accumulation`` says otherwise.
 
 Measured: bf16 matmul peak (large ``torch.matmul``, same run); rollout images/s at 10 and
 25 sampler steps with achieved TFLOP/s and MFU (FLOPs from ``FlopCounterMode``); training
@@ -28,10 +37,14 @@ without gradient checkpointing, for weighted sum, MARBLE amortized (N = 10) and 
 every step, interleaved epoch by epoch; their speed and memory ratios; and a one-process
 ``torchrun`` run whose collectives go through NCCL (gloo on CPU).
 
-``--shape small`` is a tiny model of the same structure that runs on a CPU in well under
-a minute: a smoke run of the whole script, flagged as such, never a result.
+The real shapes (``sd35m``, ``flux1dev``, ``qwen_image``) need a CUDA device. Each has a
+tiny model of the same structure (``small``, ``flux1dev_small``, ``qwen_image_small``)
+that runs on a CPU in well under a minute, and ``--quick`` cuts that to seconds (batch 2,
+2 sampler steps, one round, checkpointing on, no torchrun check): smoke runs of the
+whole script, flagged as such, never a result.
 
-Run on a GPU: ``python benchmarks/bench_gpu.py --shape sd35m`` (``make bench-gpu``).
+Run on a GPU: ``python benchmarks/bench_gpu.py --shape sd35m`` (``make bench-gpu``),
+``--shape flux1dev`` or ``--shape qwen_image``.
 """
 
 from __future__ import annotations
@@ -50,7 +63,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +84,17 @@ from mogradient_diffusion.config.loading import TrainingConfig, load_config
 from mogradient_diffusion.model import policy as policy_module
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.model.families import family_named
-from mogradient_diffusion.model.schedules import sampler_sigmas
+from mogradient_diffusion.model.memory import (
+    FLUX1_DEV_TRANSFORMER,
+    FLUX_VAE,
+    QWEN_IMAGE_TRANSFORMER,
+    QWEN_IMAGE_VAE,
+    RECIPES,
+    SD3_VAE,
+    SD35M_TRANSFORMER,
+)
+from mogradient_diffusion.model.tiny_flux import DEV_SCHEDULER
+from mogradient_diffusion.model.tiny_qwen_image import SCHEDULER_CONFIG as QWEN_SCHEDULER
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.objectives.nft import NFTRollout
 from mogradient_diffusion.rewards import Reward, register_reward
@@ -100,49 +124,16 @@ CPU_RESULTS = REPO / "results" / "gpu_smoke"  # git-ignored: CPU output is never
 BASELINE = "weighted_sum"
 TARGET_MFU = {"training": 0.40, "rollout": 0.50}
 ROLLOUT_STEPS = (10, 25)
+TRAIN_SAMPLING_STEPS = 10
 # One prompt source: the built-in set has three, and their fractional shares can make a
 # one-prompt epoch draw two prompts, which would change the work per epoch. The text is
 # never encoded (see RandomTextEmbeddings).
 PROMPT_FILE = "standin_prompts.txt"
+STANDIN_PIPELINE = "pipeline"  # model.path: a directory with only model_index.json
 STANDIN_PROMPTS = ("a photo of a cat", "a red car on a street", "a bowl of fruit")
 
-# stabilityai/stable-diffusion-3.5-medium, transformer/config.json (MMDiT-X): 24 layers,
-# 24 heads x 64 = hidden 1536, dual attention (a second, image-only attention) in layers
-# 0..12, RMS QK-norm.
-SD35M_TRANSFORMER: dict[str, Any] = {
-    "sample_size": 128,
-    "patch_size": 2,
-    "in_channels": 16,
-    "out_channels": 16,
-    "num_layers": 24,
-    "attention_head_dim": 64,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "caption_projection_dim": 1536,
-    "pooled_projection_dim": 2048,
-    "pos_embed_max_size": 384,
-    "dual_attention_layers": list(range(13)),
-    "qk_norm": "rms_norm",
-}
-# The SD3 / SD3.5 VAE (vae/config.json): 16 latent channels, 8x downsampling.
-SD3_VAE: dict[str, Any] = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [128, 256, 512, 512],
-    "layers_per_block": 2,
-    "latent_channels": 16,
-    "norm_num_groups": 32,
-    "act_fn": "silu",
-    "sample_size": 1024,
-    "scaling_factor": 1.5305,
-    "shift_factor": 0.0609,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-    "force_upcast": True,
-}
-# The same structure (dual attention, QK-norm, 16 latent channels, 4 VAE levels), tiny.
+# The same structures (dual attention and QK-norm; dual and single blocks; 16 latent
+# channels, 4 VAE levels), tiny.
 SMALL_TRANSFORMER: dict[str, Any] = {
     **SD35M_TRANSFORMER,
     "sample_size": 8,
@@ -162,6 +153,82 @@ SMALL_VAE: dict[str, Any] = {
     "norm_num_groups": 4,
     "sample_size": 64,
 }
+SMALL_FLUX_TRANSFORMER: dict[str, Any] = {
+    **FLUX1_DEV_TRANSFORMER,
+    "num_layers": 1,
+    "num_single_layers": 2,
+    "attention_head_dim": 8,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "pooled_projection_dim": 32,
+    "axes_dims_rope": [2, 2, 4],
+}
+SMALL_FLUX_VAE: dict[str, Any] = {
+    **SMALL_VAE,
+    **{k: FLUX_VAE[k] for k in ("scaling_factor", "shift_factor")},
+}
+SMALL_QWEN_TRANSFORMER: dict[str, Any] = {
+    **QWEN_IMAGE_TRANSFORMER,
+    "num_layers": 2,
+    "attention_head_dim": 8,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "axes_dims_rope": [2, 2, 4],
+}
+SMALL_QWEN_VAE: dict[str, Any] = {
+    **QWEN_IMAGE_VAE,
+    "base_dim": 8,
+    "dim_mult": [1, 1, 1, 1],
+    "num_res_blocks": 1,
+}
+
+
+@dataclass(frozen=True)
+class FamilyParts:
+    """How a family's pipeline is put together from a transformer and a VAE, and the text
+    encoders whose outputs stand in for them."""
+
+    name: str
+    transformer_class: str
+    vae_class: str
+    scheduler: dict[str, Any]
+    absent: tuple[str, ...]  # text encoders and tokenizers, passed as None
+    pooled_source: str | None  # what the pooled embeddings are; None: a token mask instead
+    token_source: str
+
+
+PARTS = {
+    parts.name: parts
+    for parts in (
+        FamilyParts(
+            "sd3",
+            "SD3Transformer2DModel",
+            "AutoencoderKL",
+            {"shift": 3.0},
+            tuple(f"{kind}{n}" for kind in ("text_encoder", "tokenizer") for n in ("", "_2", "_3")),
+            "CLIP-L + CLIP-G",
+            "CLIP + T5-XXL",
+        ),
+        FamilyParts(
+            "flux",
+            "FluxTransformer2DModel",
+            "AutoencoderKL",
+            DEV_SCHEDULER,
+            ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"),
+            "CLIP-L",
+            "T5-XXL",
+        ),
+        FamilyParts(
+            "qwen_image",
+            "QwenImageTransformer2DModel",
+            "AutoencoderKLQwenImage",
+            QWEN_SCHEDULER,
+            ("text_encoder", "tokenizer"),
+            None,
+            "Qwen2.5-VL",
+        ),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -169,40 +236,136 @@ class Shape:
     """Model sizes plus the defaults that keep a run of this shape within its time budget."""
 
     name: str
+    family: str
     transformer: dict[str, Any]
     vae: dict[str, Any]
     resolution: int
-    clip_tokens: int  # CLIP-L/G hidden states, padded to the T5 width
-    t5_tokens: int
+    batch: int  # samples per GPU (--batch), the family recipe's
+    clip_tokens: int  # SD3: CLIP-L/G hidden states ahead of the T5 tokens; else 0
+    text_tokens: int  # T5 or Qwen2.5-VL tokens (rollout.max_sequence_length)
     rounds: int
     repeats: int
     matmul_size: int
+    real: bool  # the released sizes: needs an accelerator
+    lora_rank: int | None = None  # None: configs/sd35m_marble_5r.yaml's (r32)
+    guidance: float | None = None  # model.guidance: FLUX.1-dev's embedded guidance
 
     @property
     def text_width(self) -> int:
         return self.transformer["joint_attention_dim"]
 
     @property
-    def pooled_width(self) -> int:
-        return self.transformer["pooled_projection_dim"]
+    def pooled_width(self) -> int | None:
+        return self.transformer.get("pooled_projection_dim")
+
+    @property
+    def results_name(self) -> str:
+        """Result file stem: SD3 keeps ``gpu_<device>``; the other families say which."""
+        return "gpu" if self.family == "sd3" else f"gpu_{self.name.removesuffix('_small')}"
 
     def describe(self) -> dict[str, Any]:
+        channels = self.transformer["in_channels"] // (1 if self.family == "sd3" else 4)
         return {
             "name": self.name,
+            "family": self.family,
             "transformer_config": self.transformer,
             "vae_config": self.vae,
             "resolution": self.resolution,
-            "latent": [self.transformer["in_channels"], self.resolution // 8, self.resolution // 8],
-            "text_tokens": {"clip": self.clip_tokens, "t5": self.t5_tokens},
+            "latent": [channels, self.resolution // 8, self.resolution // 8],
+            "text_tokens": {"clip": self.clip_tokens, "sequence": self.text_tokens},
             "text_width": self.text_width,
             "pooled_width": self.pooled_width,
         }
 
 
+def _real(name: str, transformer: dict, vae: dict, batch: int | None = None, **sizes: Any) -> Shape:
+    """A released-size shape with its family recipe's text length, LoRA rank and (unless
+    ``batch`` says otherwise) per-GPU batch."""
+    recipe = RECIPES[name]
+    clip = 77 if recipe.family == "sd3" else 0
+    return Shape(
+        name,
+        recipe.family,
+        transformer,
+        vae,
+        recipe.resolution,
+        batch or recipe.batch,
+        clip,
+        recipe.text_tokens - clip,
+        real=True,
+        lora_rank=None if recipe.family == "sd3" else recipe.lora_rank,
+        **sizes,
+    )
+
+
 SHAPES = {
-    "sd35m": Shape("sd35m", SD35M_TRANSFORMER, SD3_VAE, 512, 77, 256, 10, 3, 8192),
-    "small": Shape("small", SMALL_TRANSFORMER, SMALL_VAE, 64, 4, 8, 2, 2, 256),
+    "sd35m": _real("sd35m", SD35M_TRANSFORMER, SD3_VAE, rounds=10, repeats=3, matmul_size=8192),
+    "flux1dev": _real(
+        "flux1dev",
+        FLUX1_DEV_TRANSFORMER,
+        FLUX_VAE,
+        rounds=3,
+        repeats=3,
+        matmul_size=8192,
+        guidance=3.5,
+    ),
+    # Batch 4, not the recipe's 12 (VeRL-Omni's micro-batch under FSDP on 4 GPUs): by the
+    # memory estimate (benchmarks/results/memory_estimate.md) a MARBLE solve step at 12
+    # fits no single GPU, at 4 an H200 with checkpointing.
+    "qwen_image": _real(
+        "qwen_image",
+        QWEN_IMAGE_TRANSFORMER,
+        QWEN_IMAGE_VAE,
+        batch=4,
+        rounds=3,
+        repeats=3,
+        matmul_size=8192,
+    ),
+    "small": Shape("small", "sd3", SMALL_TRANSFORMER, SMALL_VAE, 64, 9, 4, 8, 2, 2, 256, False),
+    "flux1dev_small": Shape(
+        "flux1dev_small",
+        "flux",
+        SMALL_FLUX_TRANSFORMER,
+        SMALL_FLUX_VAE,
+        64,
+        9,
+        0,
+        8,
+        2,
+        2,
+        256,
+        False,
+        lora_rank=RECIPES["flux1dev"].lora_rank,
+        guidance=3.5,
+    ),
+    "qwen_image_small": Shape(
+        "qwen_image_small",
+        "qwen_image",
+        SMALL_QWEN_TRANSFORMER,
+        SMALL_QWEN_VAE,
+        64,
+        9,
+        0,
+        8,
+        2,
+        2,
+        256,
+        False,
+        lora_rank=RECIPES["qwen_image"].lora_rank,
+    ),
 }
+
+
+# Each released-size shape's CPU smoke run.
+SMALL_OF = {"sd35m": "small", "flux1dev": "flux1dev_small", "qwen_image": "qwen_image_small"}
+
+
+def lora_source(shape: Shape) -> str:
+    """Where the shape's LoRA rank comes from: its family's recipe, or the NFT recipe's."""
+    if shape.lora_rank is None:
+        return str(RECIPE.relative_to(REPO))
+    real = next(name for name, small in SMALL_OF.items() if shape.name in (name, small))
+    return RECIPES[real].source
 
 
 # ----------------------------------------------------------------- stand-in rewards
@@ -283,8 +446,8 @@ STANDIN_REWARDS = tuple(
 class RandomTextEmbeddings:
     """Replaces ``Policy.encode_prompts``: text-encoder outputs of the real shapes, random.
 
-    The benchmark times the transformer and the VAE; running CLIP-L, CLIP-G and T5-XXL
-    would add a constant per prompt that the recipe pays once per group of 24 images.
+    The benchmark times the transformer and the VAE; running the text encoders would add
+    a constant per prompt that the recipes pay once per group of 16 to 24 images.
     """
 
     def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype) -> None:
@@ -296,34 +459,54 @@ class RandomTextEmbeddings:
     def __call__(self, prompts: list[str], max_sequence_length: int = 256) -> PromptEmbeddings:
         rows, tokens = len(prompts), self.shape.clip_tokens + max_sequence_length
         hidden = (rows, tokens, self.shape.text_width)
+        embeds = torch.randn(hidden, generator=self.generator, device=self.device)
+        if self.shape.pooled_width is None:  # Qwen-Image: a token mask, no pooled rows
+            mask = torch.ones(rows, tokens, dtype=torch.long, device=self.device)
+            return PromptEmbeddings(embeds.to(self.dtype), mask=mask)
         pooled = (rows, self.shape.pooled_width)
         return PromptEmbeddings(
-            torch.randn(hidden, generator=self.generator, device=self.device).to(self.dtype),
+            embeds.to(self.dtype),
             torch.randn(pooled, generator=self.generator, device=self.device).to(self.dtype),
         )
 
+    def describe(self) -> str:
+        parts = PARTS[self.shape.family]
+        tokens = self.shape.clip_tokens + self.shape.text_tokens
+        text = (
+            "precomputed random embeddings of the real shapes, no text encoder run: "
+            f"hidden states [B, {tokens} {parts.token_source} tokens, {self.shape.text_width}]"
+        )
+        if parts.pooled_source is None:
+            return f"{text} with an all-ones token mask."
+        return f"{text}, pooled [B, {self.shape.pooled_width}] ({parts.pooled_source})."
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters in ``dtype``: a 20 B model initialised in float32 first would not fit
+    an 80 GB GPU on its way to bf16."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
 
 def build_pipeline(shape: Shape, device: torch.device, dtype: torch.dtype):
-    """A ``StableDiffusion3Pipeline`` of ``shape`` with random weights, built on ``device``."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
+    """The family's pipeline of ``shape`` with random weights, built on ``device``."""
+    import diffusers
 
+    parts = PARTS[shape.family]
     torch.manual_seed(0)
-    with torch.device(device):  # initialising 2.5 B parameters on the GPU takes seconds
-        transformer = SD3Transformer2DModel(**shape.transformer).to(dtype)
-        vae = AutoencoderKL(**shape.vae).to(dtype)
-    encoders = {name: None for name in ("text_encoder", "text_encoder_2", "text_encoder_3")}
-    tokenizers = {name: None for name in ("tokenizer", "tokenizer_2", "tokenizer_3")}
-    return StableDiffusion3Pipeline(
+    with torch.device(device), default_dtype(dtype):  # initialising on the GPU takes seconds
+        transformer = getattr(diffusers, parts.transformer_class)(**shape.transformer).to(dtype)
+        vae = getattr(diffusers, parts.vae_class)(**shape.vae).to(dtype)
+    return family_named(shape.family).pipeline_class()(
         transformer=transformer,
         vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        **encoders,
-        **tokenizers,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**parts.scheduler),
+        **dict.fromkeys(parts.absent),
     )
 
 
@@ -332,8 +515,13 @@ def recipe_config(
 ) -> TrainingConfig:
     """The MARBLE recipe's config with this benchmark's model, rewards and batch sizes."""
     rewards = "rewards=[" + ", ".join(f"{{name: {name}}}" for name in STANDIN_REWARDS) + "]"
+    model = [f"model.path={run_dir / STANDIN_PIPELINE}", f"model.family={shape.family}"]
+    if shape.guidance is not None:
+        model.append(f"model.guidance={shape.guidance}")
+    if shape.lora_rank is not None:
+        model += [f"lora.rank={shape.lora_rank}", f"lora.alpha={2 * shape.lora_rank}"]
     overrides = [
-        "model.path=in-memory",  # handed to Policy.load by build_trainer
+        *model,
         f"model.dtype={args.dtype}",
         "model.gradient_checkpointing=false",  # toggled per measurement
         f"prompts.directory={run_dir}",
@@ -344,7 +532,7 @@ def recipe_config(
         f"rollout.images_per_prompt={args.batch}",
         f"rollout.prompts_per_epoch={args.accumulation * world_size}",
         f"rollout.batch_size={args.batch}",
-        f"rollout.max_sequence_length={shape.t5_tokens}",
+        f"rollout.max_sequence_length={shape.text_tokens}",
         f"train.batch_size={args.batch}",
         f"train.gradient_accumulation={args.accumulation}",
         "train.epochs=1000000",
@@ -358,11 +546,20 @@ def recipe_config(
 def build_trainer(
     args: argparse.Namespace, shape: Shape, world: World, run_dir: Path
 ) -> tuple[Trainer, dict[str, Strategy]]:
-    """The real Trainer on the in-memory model, and one fresh Strategy per compared name."""
+    """The real Trainer on the in-memory model, and one fresh Strategy per compared name.
+
+    The trainer reads the model's family from ``model_index.json`` before loading, so
+    ``model.path`` is a directory holding only that file; the pipeline itself is built
+    in memory and handed to ``Policy.load`` in place of loading one.
+    """
     dtype = getattr(torch, args.dtype)
     (run_dir / PROMPT_FILE).write_text("\n".join(STANDIN_PROMPTS) + "\n")
+    family = family_named(shape.family)
+    index = run_dir / STANDIN_PIPELINE / "model_index.json"
+    index.parent.mkdir(exist_ok=True)
+    index.write_text(json.dumps({"_class_name": family.pipeline_class_name}))
     pipeline = build_pipeline(shape, world.device, dtype)
-    loaded = (pipeline, family_named("sd3"))
+    loaded = (pipeline, family)
     with mock.patch.object(policy_module, "load_pipeline", lambda path, dtype, family: loaded):
         trainer = Trainer(recipe_config(args, shape, run_dir, BASELINE, world.size), world)
     trainer.policy.encode_prompts = RandomTextEmbeddings(shape, world.device, dtype)
@@ -442,7 +639,7 @@ def measure_rollout(
     """Images/s of ``rollout`` (sampler + VAE decode) at each step count, and its MFU."""
     policy = trainer.policy
     device = trainer.world.device
-    embeds = policy.encode_prompts(["x"] * args.batch, shape.t5_tokens)
+    embeds = policy.encode_prompts(["x"] * args.batch, shape.text_tokens)
     latents = torch.randn(args.batch, *policy.latent_shape(shape.resolution), device=device)
     with torch.no_grad():
         forward = count_flops(lambda: policy.velocity(latents.to(policy.dtype), 0.5, embeds, "old"))
@@ -460,7 +657,7 @@ def measure_rollout(
         },
         "steps": {},
     }
-    for steps in ROLLOUT_STEPS:
+    for steps in args.rollout_steps:
 
         def sample(steps: int = steps) -> Any:
             return rollout(
@@ -472,7 +669,7 @@ def measure_rollout(
                 generator=torch.Generator().manual_seed(steps),
                 adapter="old",
                 batch_size=args.batch,
-                max_sequence_length=shape.t5_tokens,
+                max_sequence_length=shape.text_tokens,
             )
 
         sample()  # warm-up: kernel selection, allocator
@@ -495,26 +692,28 @@ def measure_rollout(
 
 # ---------------------------------------------------------------------- training
 def training_pass_flops(trainer: Trainer, args: argparse.Namespace, shape: Shape) -> dict:
-    """FLOPs of one micro-batch x one timestep of the NFT loss, both backward kinds.
+    """FLOPs of one sample x one timestep of the NFT loss, both backward kinds.
 
     ``combined``: old, reference and trained forwards plus one backward of the weighted
     loss (weighted sum, cached MARBLE steps); ``per_objective``: the same forwards plus
     the K-row batched backward of a MARBLE full-solve step. Counted without gradient
-    checkpointing, so the recomputed forward is not counted as useful work.
+    checkpointing, so the recomputed forward is not counted as useful work, and on one
+    sample (samples do not interact), which keeps that within memory at the released
+    sizes.
     """
     policy = trainer.policy
     device = trainer.world.device
     count = len(trainer.reward_names)
     batch = NFTRollout(  # one trained timestep per sample: FLOPs of one noise level
-        prompts=["x"] * args.batch,
-        group_ids=torch.zeros(args.batch, dtype=torch.long),
-        images=torch.zeros(args.batch, 3, 1, 1),
-        latents=torch.randn(args.batch, *policy.latent_shape(shape.resolution), device=device),
-        embeds=policy.encode_prompts(["x"] * args.batch, shape.t5_tokens),
-        sigmas=sampler_sigmas(args.train_sampling_steps),
+        prompts=["x"],
+        group_ids=torch.zeros(1, dtype=torch.long),
+        images=torch.zeros(1, 3, 1, 1),
+        latents=torch.randn(1, *policy.latent_shape(shape.resolution), device=device),
+        embeds=policy.encode_prompts(["x"], shape.text_tokens),
+        sigmas=policy.sigmas(args.train_sampling_steps, shape.resolution),
         timesteps=1,
     )
-    piece = TrainPiece(batch, torch.randn(args.batch, count).clamp(-2, 2))
+    piece = TrainPiece(batch, torch.randn(1, count).clamp(-2, 2))
     combined_piece = dataclasses.replace(piece, advantages=piece.advantages[:, :1])
 
     def backward(piece: TrainPiece, weights: torch.Tensor | None, k: int) -> None:
@@ -526,8 +725,8 @@ def training_pass_flops(trainer: Trainer, args: argparse.Namespace, shape: Shape
     per_objective = count_flops(lambda: backward(piece, None, count))
     trainer.optimizer.zero_grad(set_to_none=True)
     return {
-        "combined_per_sample_timestep": combined["flops"] / args.batch,
-        "per_objective_per_sample_timestep": per_objective["flops"] / args.batch,
+        "combined_per_sample_timestep": combined["flops"],
+        "per_objective_per_sample_timestep": per_objective["flops"],
         "attention_flops_counted": combined["attention_flops"] > 0,
     }
 
@@ -745,6 +944,7 @@ def ddp_child(args: argparse.Namespace) -> int:
     shape = SHAPES[args.shape]
     with tempfile.TemporaryDirectory(prefix="bench_gpu_ddp_") as tmp:
         trainer, strategies = build_trainer(args, shape, world, Path(tmp))
+        set_checkpointing(trainer, True)  # as the recipes train; the collectives are checked
         timer = StepTimer(trainer)
         epochs = {
             name: run_epoch(trainer, timer, strategies[name])
@@ -894,7 +1094,7 @@ def targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
     for row in rows:
         value = row["value"]
         if payload["smoke_run"]:
-            row["status"] = "not assessed: CPU smoke run"
+            row["status"] = f"not assessed: {payload['smoke_label']}"
         elif value is None:
             row["status"] = "not measured"
         elif value >= row.get("at_least", -math.inf) and value <= row.get("at_most", math.inf):
@@ -917,10 +1117,11 @@ def render_markdown(payload: dict[str, Any]) -> str:
     device, shape, setup = payload["device"], payload["shape"], payload["setup"]
     lines = [f"# GPU benchmark: {shape['name']} shape on {device['name']}", ""]
     if payload["smoke_run"]:
+        label = payload["smoke_label"]
         lines += [
-            "> **CPU smoke run, not a result.** This ran on a CPU to check that the script "
-            "works end to end; every figure below is a CPU figure and says nothing about "
-            "GPU throughput, MFU or memory. The targets are not assessed.",
+            f"> **{label[0].upper()}{label[1:]}, not a result.** This ran to check that the "
+            "script works end to end; the figures below say nothing about GPU throughput, "
+            "MFU or memory at the benchmark's settings. The targets are not assessed.",
             "",
         ]
     driver = device.get("driver") or "n/a"
@@ -932,15 +1133,16 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         "## Setup",
         "",
-        f"- Model: `SD3Transformer2DModel` {shape['name']} shape, random weights "
-        f"({setup['transformer_parameters'] / 1e9:.3g} B parameters), VAE of the SD3 shape "
+        f"- Model: `{setup['transformer_class']}` {shape['name']} shape, random weights "
+        f"({setup['transformer_parameters'] / 1e9:.3g} B parameters), `{setup['vae_class']}` "
         f"({setup['vae_parameters'] / 1e6:.3g} M), {setup['dtype']}, {shape['resolution']} px "
         f"(latent {'x'.join(map(str, shape['latent']))}).",
         f"- Text conditioning: {setup['text_embeddings']}",
         f"- Rewards: {setup['rewards']}",
         f"- LoRA r={setup['lora']['rank']} alpha={setup['lora']['alpha']} on "
         f"{', '.join(setup['lora']['targets'])} ({setup['trainable_parameters'] / 1e6:.3g} M "
-        "trainable parameters), from `configs/sd35m_marble_5r.yaml`.",
+        f"trainable parameters), rank from {setup['lora']['source']}; optimizer and NFT "
+        "settings from `configs/sd35m_marble_5r.yaml`.",
         f"- Batch {setup['batch']} per GPU, gradient accumulation {setup['accumulation']}; "
         f"training epochs sample with {setup['train_sampling_steps']} steps and train on "
         f"{setup['timesteps_per_sample']} timesteps per sample; {setup['rounds']} measured "
@@ -1071,17 +1273,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="sd35m")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bf16 on GPU")
-    parser.add_argument("--batch", type=int, default=9, help="images per GPU per micro-batch")
+    parser.add_argument(
+        "--batch", type=int, help="images per GPU per micro-batch (default: the shape's recipe)"
+    )
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
     parser.add_argument(
         "--train-sampling-steps",
         type=int,
-        default=10,
-        help="sampler steps of the training epochs' rollouts (timesteps: int(0.99 x steps))",
+        help="sampler steps of the training epochs' rollouts (timesteps: int(0.99 x steps)); "
+        f"default {TRAIN_SAMPLING_STEPS}",
     )
     parser.add_argument("--rounds", type=int, help="measured rounds (default: per shape)")
     parser.add_argument("--repeats", type=int, help="timed rollout repeats (default: per shape)")
     parser.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run in seconds: batch 2, 2 sampler steps, one round, checkpointing "
+        "on, no torchrun check (never a result)",
+    )
     parser.add_argument(
         "--threads", type=int, default=THREADS, help="CPU runs: torch threads (shared-VM default)"
     )
@@ -1092,13 +1302,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = SHAPES[args.shape]
+    if shape.real and args.device == "cpu":
+        parser.error(
+            f"--shape {shape.name} has the released model's sizes and needs a CUDA device; "
+            f"--shape {SMALL_OF[shape.name]} is its CPU smoke run"
+        )
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    shape = SHAPES[args.shape]
-    args.rounds = shape.rounds if args.rounds is None else args.rounds
-    args.repeats = shape.repeats if args.repeats is None else args.repeats
+    if args.quick:
+        args.checkpointing, args.skip_ddp = "on", True
+    quick = {"batch": 2, "train_sampling_steps": 2, "rounds": 1, "repeats": 1}
+    defaults = {
+        "batch": shape.batch,
+        "train_sampling_steps": TRAIN_SAMPLING_STEPS,
+        "rounds": shape.rounds,
+        "repeats": shape.repeats,
+    }
+    for name, value in (quick if args.quick else defaults).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.rollout_steps = (args.train_sampling_steps,) if args.quick else ROLLOUT_STEPS
     return args
 
 
@@ -1147,18 +1373,16 @@ def main(argv: list[str] | None = None) -> int:
                 "rank": trainer.config.lora.rank,
                 "alpha": trainer.config.lora.alpha,
                 "targets": list(trainer.policy.lora.target_modules),
+                "source": lora_source(shape),
             },
             "trainable_parameters": sum(p.numel() for p in trainer.parameters),
             "transformer_parameters": sum(
                 p.numel() for n, p in transformer.named_parameters() if "lora_" not in n
             ),
             "vae_parameters": sum(p.numel() for p in trainer.policy.pipeline.vae.parameters()),
-            "text_embeddings": (
-                "precomputed random embeddings of the real shapes, no text encoder run: "
-                f"pooled [B, {shape.pooled_width}] (CLIP-L + CLIP-G), hidden states "
-                f"[B, {shape.clip_tokens} CLIP + {shape.t5_tokens} T5 tokens, "
-                f"{shape.text_width}]."
-            ),
+            "transformer_class": type(transformer).__name__,
+            "vae_class": type(trainer.policy.pipeline.vae).__name__,
+            "text_embeddings": trainer.policy.encode_prompts.describe(),
             "rewards": (
                 f"K = {len(STANDIN_REWARDS)} cheap stand-in image statistics "
                 f"({', '.join(STANDIN_REWARDS)}), not reward models: they time the loop, "
@@ -1171,7 +1395,8 @@ def main(argv: list[str] | None = None) -> int:
         training[mode] = {"summary": summary, "ratios": training_ratios(summary), "epochs": items}
     payload: dict[str, Any] = {
         "benchmark": "gpu",
-        "smoke_run": device.type != "cuda",
+        "smoke_run": device.type != "cuda" or args.quick,
+        "smoke_label": "CPU smoke run" if device.type != "cuda" else "quick smoke run",
         "device": device_info(device),
         "versions": versions(),
         "machine": machine_info(),
@@ -1189,7 +1414,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     payload["targets"] = targets(payload)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"gpu_{payload['device']['slug']}"
+    stem = out / f"{shape.results_name}_{payload['device']['slug']}"
     json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
     json_path.write_text(json.dumps(_compact(payload), indent=2, default=str) + "\n")
     md_path.write_text(render_markdown(payload).rstrip() + "\n")
