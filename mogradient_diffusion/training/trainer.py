@@ -712,7 +712,13 @@ def _model_family(config: TrainingConfig) -> Family:
     the tiny pipeline's, SD3. A pipeline class no family trains is a config error."""
     model = config.model
     if model.path is None:
-        return family_named("sd3" if model.family == AUTO else model.family)
+        if model.family not in (AUTO, "sd3"):
+            raise ConfigError(
+                f"model.family={model.family} needs model.path: without it the run builds "
+                "the tiny SD3 pipeline (the tiny FLUX.1 and Qwen-Image builders are in "
+                "mogradient_diffusion.model.tiny_flux and tiny_qwen_image)"
+            )
+        return family_named("sd3")
     try:
         return pipeline_family(model.path, model.family)
     except ValueError as error:  # an unsupported pipeline class, an unreadable index

@@ -100,3 +100,11 @@ def test_masked_embeddings_of_different_lengths_stack_padded() -> None:
         PromptEmbeddings.cat([short, PromptEmbeddings(torch.ones(1, 2, 3))])
     with pytest.raises(ValueError, match=r"mask must be \[B, L\]"):
         PromptEmbeddings(torch.ones(1, 2, 3), mask=torch.ones(1, 3))
+
+
+def test_a_non_sd3_family_without_a_model_path_is_a_config_error(tmp_path: Path, capsys) -> None:
+    from mogradient_diffusion.cli import main
+
+    arguments = ["train", "--preset", "tiny", f"run.directory={tmp_path / 'run'}"]
+    assert main([*arguments, "model.family=flux"]) == 2
+    assert "model.family=flux needs model.path" in capsys.readouterr().err
