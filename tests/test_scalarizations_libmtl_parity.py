@@ -32,9 +32,8 @@ Differences by design, asserted as such rather than hidden:
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is not installed; `python -m pytest` adds it too
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.mtl.compare_tools import default_dtype  # noqa: E402
 from benchmarks.mtl.methods import LibMTL, libmtl_installed  # noqa: E402
+from benchmarks.mtl.parity_model import TASKS, Model, batches  # noqa: E402
 from mogradient.scalarizations.dwa import DWA  # noqa: E402
 from mogradient.scalarizations.gls import GLS  # noqa: E402
 from mogradient.scalarizations.gradnorm import GradNorm  # noqa: E402
@@ -62,7 +63,6 @@ if not libmtl_installed():
     )
 
 F64 = torch.float64
-TASKS = 3
 STEPS = 5
 LR = 0.05
 DTYPES = [F64, torch.float32]
@@ -72,53 +72,6 @@ DTYPES = [F64, torch.float32]
 # own (SGD on parameters each side computed), so the budget grows with the step count.
 # A wrong formula, order or sign is off by O(1) of the scale.
 ULPS_PER_STEP = 64
-
-
-class Model(nn.Module):
-    """A seeded trunk and K heads, with what LibMTL's driver binds to (trunk, heads)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.trunk = nn.Linear(3, 5).to(dtype)
-        self.heads = nn.ModuleList(nn.Linear(5, 1).to(dtype) for _ in range(TASKS))
-
-    def shared_parameters(self) -> list[torch.Tensor]:
-        return list(self.trunk.parameters())
-
-    def losses(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = batch
-        features = torch.tanh(self.trunk(inputs))
-        return torch.stack(
-            [
-                ((head(features).squeeze(1) - target) ** 2).mean()
-                for head, target in zip(self.heads, targets, strict=True)
-            ]
-        )
-
-
-def batches(dtype: torch.dtype, count: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Seeded batches whose task losses differ by ~100x, so every method reweighs."""
-    generator = torch.Generator().manual_seed(1)
-    scales = torch.tensor([1.0, 3.0, 10.0], dtype=torch.float64)[:, None]
-    return [
-        (
-            torch.randn(16, 3, generator=generator, dtype=torch.float64).to(dtype),
-            (torch.randn(TASKS, 16, generator=generator, dtype=torch.float64) * scales).to(dtype),
-        )
-        for _ in range(count)
-    ]
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """LibMTL allocates its buffers and scales in the default dtype."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def libmtl(name: str, model: Model, dtype: torch.dtype, **options: float) -> LibMTL:
@@ -175,7 +128,7 @@ def test_gradnorm_takes_libmtls_weights_shared_gradient_and_l_grad(
     weighting = driver._weighting  # the bound LibMTL object: its logits, epoch and L(0)
     weighting.epoch = 1
     optimizer = torch.optim.SGD(ours.parameters(), lr=LR)
-    for step, batch in enumerate(batches(dtype)):
+    for step, batch in enumerate(batches(dtype, STEPS)):
         theirs.load_state_dict(ours.state_dict())
         with torch.no_grad():
             weighting.loss_scale.copy_(method.task_weights.log())
@@ -218,7 +171,7 @@ def test_imtl_matches_libmtl_over_steps(dtype: torch.dtype) -> None:
     their_optimizer = torch.optim.SGD(
         [*theirs.parameters(), *driver._weighting.parameters()], lr=LR
     )
-    for step, batch in enumerate(batches(dtype)):
+    for step, batch in enumerate(batches(dtype, STEPS)):
         ours_optimizer.zero_grad()
         their_optimizer.zero_grad()
         their_scales = driver._weighting.loss_scale.detach().exp()
@@ -292,7 +245,7 @@ def test_uw_matches_libmtl_over_steps(dtype: torch.dtype) -> None:
     their_optimizer = torch.optim.SGD(
         [*theirs.parameters(), *driver._weighting.parameters()], lr=LR
     )
-    for step, batch in enumerate(batches(dtype)):
+    for step, batch in enumerate(batches(dtype, STEPS)):
         ours_optimizer.zero_grad()
         their_optimizer.zero_grad()
         their_weights = run_libmtl(driver, theirs, theirs.losses(batch))
@@ -348,7 +301,7 @@ def test_gls_has_libmtls_gradients_and_reports_the_derivative(dtype: torch.dtype
     driver = libmtl("GLS", theirs, dtype)
     ours_optimizer = torch.optim.SGD(ours.parameters(), lr=LR)
     their_optimizer = torch.optim.SGD(theirs.parameters(), lr=LR)
-    for step, batch in enumerate(batches(dtype)):
+    for step, batch in enumerate(batches(dtype, STEPS)):
         ours_optimizer.zero_grad()
         their_optimizer.zero_grad()
         their_losses = theirs.losses(batch)

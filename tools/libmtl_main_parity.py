@@ -19,27 +19,28 @@ same SGD steps. A quantity agrees "to rounding" when its largest difference is w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import platform
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from torch.nn import functional
 
-from mogradient.scalarizations.db_mtl import DBMTL
-from mogradient.scalarizations.moco import MoCo
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/ is not installed; run as a script, it is not found
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.mtl.compare_tools import default_dtype  # noqa: E402
+from benchmarks.mtl.parity_model import TASKS, Model, batches  # noqa: E402
+from mogradient.scalarizations.db_mtl import DBMTL  # noqa: E402
+from mogradient.scalarizations.moco import MoCo  # noqa: E402
+
 OUT = ROOT / "benchmarks" / "results" / "mtl" / "libmtl_main_parity.md"
-TASKS = 3
 STEPS = 10
 LR = 0.05
 ULPS_PER_STEP = 64
@@ -53,53 +54,6 @@ MOCO = {
     "MoCo_rho": 0.0,
 }
 SOURCES = ("abstract_weighting.py", "DB_MTL.py", "MoCo.py")
-
-
-class Model(nn.Module):
-    """A seeded trunk and K heads; LibMTL differentiates the trunk (its shared parameters)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.trunk = nn.Linear(3, 5).to(dtype)
-        self.heads = nn.ModuleList(nn.Linear(5, 1).to(dtype) for _ in range(TASKS))
-
-    def shared_parameters(self) -> list[torch.Tensor]:
-        return list(self.trunk.parameters())
-
-    def losses(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = batch
-        features = torch.tanh(self.trunk(inputs))
-        return torch.stack(
-            [
-                ((head(features).squeeze(1) - target) ** 2).mean()
-                for head, target in zip(self.heads, targets, strict=True)
-            ]
-        )
-
-
-def batches(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Seeded batches whose task losses differ by ~100x."""
-    generator = torch.Generator().manual_seed(1)
-    scales = torch.tensor([1.0, 3.0, 10.0], dtype=torch.float64)[:, None]
-    return [
-        (
-            torch.randn(16, 3, generator=generator, dtype=torch.float64).to(dtype),
-            (torch.randn(TASKS, 16, generator=generator, dtype=torch.float64) * scales).to(dtype),
-        )
-        for _ in range(STEPS)
-    ]
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """LibMTL allocates its buffers in the default dtype."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def load_weightings(checkout: Path) -> dict[str, type]:
@@ -195,7 +149,7 @@ def compare_db_mtl(weighting_class: type, dtype: torch.dtype, beta_sigma: float)
     ours_optimizer = torch.optim.SGD(ours.parameters(), lr=LR)
     their_optimizer = torch.optim.SGD(theirs.parameters(), lr=LR)
     comparison = Comparison(dtype)
-    for step, batch in enumerate(batches(dtype)):
+    for step, batch in enumerate(batches(dtype, STEPS)):
         ours_optimizer.zero_grad()
         their_optimizer.zero_grad()
         run_libmtl(weighting, theirs, theirs.losses(batch), options)
@@ -237,7 +191,7 @@ def compare_moco(weighting_class: type, dtype: torch.dtype) -> Comparison:
     weighting = bind(weighting_class, theirs, dtype)
     optimizer = torch.optim.SGD(ours.parameters(), lr=LR)
     comparison = Comparison(dtype)
-    for step, batch in enumerate(batches(dtype)):
+    for step, batch in enumerate(batches(dtype, STEPS)):
         theirs.load_state_dict(ours.state_dict())
         theirs.zero_grad()
         optimizer.zero_grad()

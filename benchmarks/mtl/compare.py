@@ -26,7 +26,7 @@ import torch
 import mogradient as mg
 from benchmarks.common import markdown_table
 from benchmarks.mtl import compare_losses
-from benchmarks.mtl.compare_tools import float64_default, implied_weights, libmtl_weighting
+from benchmarks.mtl.compare_tools import default_dtype, implied_weights, libmtl_weighting
 from benchmarks.mtl.data import PROBLEMS
 from benchmarks.mtl.methods import (
     CAGRAD_C,
@@ -97,7 +97,7 @@ def libmtl_graddrop(jacobian: torch.Tensor) -> torch.Tensor:
     """
     count, width = jacobian.shape
     rows = jacobian.detach().double()
-    with float64_default():
+    with default_dtype(torch.float64):
         weighting = libmtl_weighting_module().GradDrop()
         weighting.task_num = count
         weighting.task_name = list(range(count))

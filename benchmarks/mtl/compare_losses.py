@@ -15,7 +15,7 @@ import torch
 
 import mogradient as mg
 from benchmarks.common import markdown_table
-from benchmarks.mtl.compare_tools import float64_default, implied_weights, libmtl_weighting
+from benchmarks.mtl.compare_tools import default_dtype, implied_weights, libmtl_weighting
 from benchmarks.mtl.methods import STCH_MU, libmtl_installed
 
 LOSS_TASKS = 3
@@ -135,7 +135,7 @@ def libmtl_loss(name: str, fixed_scales: bool = False, **options) -> DriverFacto
     (epochs completed) and ``train_loss_buffer`` (each epoch's mean losses, which DWA reads)."""
 
     def driver(parameter: torch.Tensor) -> LossDriver:
-        with float64_default():
+        with default_dtype(torch.float64):
             weighting = libmtl_weighting(name, parameter, LOSS_TASKS)
         if fixed_scales:
             _fixed_log_scales(weighting, "loss_scale")
@@ -145,7 +145,7 @@ def libmtl_loss(name: str, fixed_scales: bool = False, **options) -> DriverFacto
 
         def backward(losses: torch.Tensor) -> None:
             this_epoch.append(losses.detach().numpy().copy())
-            with float64_default():
+            with default_dtype(torch.float64):
                 weighting.backward(losses, **options)
 
         def end_epoch() -> None:
@@ -162,7 +162,7 @@ def libmtl_gradnorm(parameter: torch.Tensor) -> LossDriver:
     """LibMTL's GradNorm, adapting from the first step with L(0) = the first step's losses, as
     ours. (Its trainer returns ones for all of epoch 0 and takes that epoch's mean as L(0).)
     Its weights are K softmax(s); s is stepped by SGD at ours' rate for the weights."""
-    with float64_default():
+    with default_dtype(torch.float64):
         weighting = libmtl_weighting("GradNorm", parameter, LOSS_TASKS)
     weighting.epoch = 1
     optimizer = torch.optim.SGD([weighting.loss_scale], lr=GRADNORM_LR)
@@ -171,7 +171,7 @@ def libmtl_gradnorm(parameter: torch.Tensor) -> LossDriver:
         if not hasattr(weighting, "train_loss_buffer"):
             weighting.train_loss_buffer = losses.detach().numpy()[:, None].copy()
         optimizer.zero_grad()
-        with float64_default():
+        with default_dtype(torch.float64):
             weighting.backward(losses, alpha=GRADNORM_ALPHA)
         optimizer.step()
 

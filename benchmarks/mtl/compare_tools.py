@@ -12,10 +12,11 @@ from benchmarks.mtl.methods import libmtl_weighting_module
 
 
 @contextlib.contextmanager
-def float64_default() -> Iterator[None]:
-    """LibMTL builds its gradient buffers in torch's default dtype: float64 keeps them exact."""
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """LibMTL builds its gradient buffers and scales in torch's default dtype: set it to the
+    inputs' (float64 keeps them exact) for the block."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(dtype)
     try:
         yield
     finally:
