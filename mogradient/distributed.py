@@ -1,19 +1,22 @@
-"""Per-objective gradients under DistributedDataParallel.
+"""Per-objective gradients across processes: DDP, or FSDP2 with the frozen weights sharded.
 
-Each rank computes its K local gradients inside ``no_sync()`` (forward included, so
-DDP does not wait for a backward that never comes), then one all-reduce averages the
-K x D buffer. Every rank then holds the same stack, harmonizes it in float64 and
-writes the same direction into ``.grad``: the optimizer step is synchronized without
-a second backward.
+Each rank computes its K local gradients (under DDP inside ``no_sync()``, forward
+included, so DDP does not wait for a backward that never comes; a module sharded by
+:func:`mogradient.sharding.shard_frozen` keeps its trained parameters whole, so nothing
+syncs them), then one all-reduce averages the K x D buffer. Every rank then holds the
+same stack, harmonizes it in float64 and writes the same direction into ``.grad``: the
+optimizer step is synchronized without a second backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mogradient.combinable import CombinableLoss
@@ -24,22 +27,25 @@ from mogradient.row_gradients import RowGradients
 LossFunction = Callable[[], "torch.Tensor | Sequence[torch.Tensor] | CombinableLoss"]
 
 
-def ddp_objective_gradients(
-    model: DistributedDataParallel,
+def distributed_objective_gradients(
+    model: nn.Module,
     compute_losses: LossFunction,
     parameters: Sequence[torch.Tensor],
     method: str = "sequential",
     rows: RowGradients | None = None,
 ) -> torch.Tensor:
-    """Rank-averaged K x D gradients; ``compute_losses`` runs the forward under ``no_sync``.
+    """Rank-averaged K x D gradients of the losses ``compute_losses`` computes on this rank.
 
-    With ``rows`` (a :class:`~mogradient.row_gradients.RowGradients` over ``model.module``)
-    the forward is recorded and a CombinableLoss that declares its rows gets its local
-    stack from one backward pass per row value; the all-reduce is the same.
+    ``model`` is a DDP wrapper (the forward then runs under ``no_sync``) or a module
+    sharded by :func:`~mogradient.sharding.shard_frozen`. With ``rows`` (a
+    :class:`~mogradient.row_gradients.RowGradients` over the unwrapped module) the forward
+    is recorded and a CombinableLoss that declares its rows gets its local stack from one
+    backward pass per row value; the all-reduce is the same.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
-    with model.no_sync():
+    unsynced = model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
+    with unsynced:
         if rows is None:
             losses = compute_losses()
         else:

@@ -14,6 +14,7 @@ from torch import nn
 
 from mogradient.combinable import CombinableLoss
 from mogradient.errors import UnusedParameterError
+from mogradient.sharding import is_shard
 
 ParameterFilter = Callable[[str, nn.Parameter], bool]
 # Plain tensors, or named ones (``module.named_parameters()`` or a dict) so that errors
@@ -246,6 +247,15 @@ def _checked_parameters(parameters: Parameters) -> tuple[list[torch.Tensor], lis
     ]
     if frozen:
         raise ValueError(f"parameters that do not require grad: {', '.join(frozen)}")
+    shards = [_describe(i, t, names) for i, t in enumerate(tensors) if is_shard(t)]
+    if shards:
+        raise ValueError(
+            f"{len(shards)} of {len(tensors)} parameters are FSDP2 shards (DTensor): "
+            f"{', '.join(shards[:3])}. The forward reads all-gathered copies of them, so "
+            "autograd cannot give their per-objective gradients. Fix: keep the trained "
+            "parameters out of the shards, with mogradient.sharding.shard_frozen (it shards "
+            "the frozen weights only), or use DDP (mogradient.distributed)."
+        )
     return tensors, names
 
 
@@ -265,11 +275,9 @@ def _check_used(
         f"{len(unused)} of {len(parameters)} parameters are not in the graph of any "
         f"objective: {shown}. Their gradient would be silently zero. Likely causes: the "
         "parameter is not used by the forward (a disabled adapter or branch, a frozen "
-        "submodule), or the tensors passed are not the ones the forward reads, as with "
-        "FSDP2 (fully_shard) shards, whose forward uses all-gathered copies. Fix: pass "
-        "only parameters the losses depend on (select_parameters with a filter); under "
-        "FSDP2, run one backward() per objective and read the sharded .grad, or use DDP "
-        "(mogradient.distributed)."
+        "submodule), or the tensors passed are not the ones the forward reads (copies, "
+        "a state_dict's values). Fix: pass only parameters the losses depend on "
+        "(select_parameters with a filter)."
     )
 
 

@@ -20,7 +20,7 @@ from mogradient import (
     objective_gradients,
 )
 from mogradient.combinable import RowValues
-from mogradient.distributed import apply_harmonized, apply_weights, ddp_objective_gradients
+from mogradient.distributed import apply_harmonized, apply_weights, distributed_objective_gradients
 from mogradient.row_gradients import RowGradients
 
 WORLD_SIZE = 2
@@ -52,7 +52,7 @@ def _compute_and_save(rank: int, out_dir: str) -> None:
     inputs = torch.randn(6, 4, generator=torch.Generator().manual_seed(100 + rank))
     parameters = list(model.parameters())
 
-    stack = ddp_objective_gradients(model, lambda: _losses(model, inputs), parameters)
+    stack = distributed_objective_gradients(model, lambda: _losses(model, inputs), parameters)
     harmonization = apply_harmonized(parameters, stack, MGDA())
     applied = torch.cat([p.grad.reshape(-1) for p in parameters])
 
@@ -70,7 +70,9 @@ def _compute_and_save(rank: int, out_dir: str) -> None:
         return CombinableLoss(terms, coefficients, rows=RowValues(terms))
 
     engine = RowGradients(model.module, parameters)
-    row_stack = ddp_objective_gradients(model, lambda: combinable(model), parameters, rows=engine)
+    row_stack = distributed_objective_gradients(
+        model, lambda: combinable(model), parameters, rows=engine
+    )
     local_rows = combinable_gradients(combinable(plain), list(plain.parameters()))
     gathered_rows = [torch.zeros_like(local_rows) for _ in range(WORLD_SIZE)]
     dist.all_gather(gathered_rows, local_rows)

@@ -34,7 +34,7 @@ from mogradient_diffusion.config.settings import (
 )
 from mogradient_diffusion.model.families import FAMILIES
 from mogradient_diffusion.model.pipeline_files import AUTO
-from mogradient_diffusion.model.policy import DTYPES, LoraSpec
+from mogradient_diffusion.model.policy import DTYPES, SHARDING, LoraSpec
 from mogradient_diffusion.objectives import UnknownObjectiveError, objective_class
 from mogradient_diffusion.sampling.solver import SAMPLERS
 
@@ -194,6 +194,13 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
     _choice("model.family", config.model.family, (AUTO, *FAMILIES))
     if config.model.guidance is not None and not config.model.guidance > 0:
         raise ConfigError(f"model.guidance must be > 0 or null, got {config.model.guidance}")
+    _choice("model.shard", config.model.shard, SHARDING)
+    if config.model.shard != "none" and world_size == 1:
+        raise ConfigError(
+            f"model.shard={config.model.shard} shards the frozen weights over the torchrun "
+            "processes, and this run has one: start it with torchrun --nproc_per_node N "
+            "(N >= 2), or set model.shard=none"
+        )
     _choice("rollout.sampler", rollout.sampler, SAMPLERS)
     _choice("train.old_schedule", train.old_schedule, ("copy", "linear", "delayed_linear"))
     _choice("train.gradient_engine", train.gradient_engine, ("auto", "batched"))

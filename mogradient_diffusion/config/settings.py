@@ -28,6 +28,10 @@ class ModelConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto = cuda when available
     gradient_checkpointing: bool = False
+    # none | fsdp2: under torchrun, shard the frozen transformer weights over the processes
+    # (FSDP2); the LoRA adapters stay whole on every process, so per-reward gradients stay
+    # exact and are averaged as without sharding.
+    shard: str = "none"
 
 
 @dataclass

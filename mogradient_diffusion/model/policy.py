@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mogradient.sharding import is_shard, shard_frozen
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.model.families import Family
 from mogradient_diffusion.model.pipeline_files import AUTO, load_pipeline
@@ -28,6 +29,8 @@ ADAPTERS = ("default", "old", "reference")
 LORA_INITS = {"gaussian": "gaussian", "kaiming": True}
 # Config names of the transformer dtypes (model.dtype, eval --dtype).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Config names of how the frozen transformer weights are spread over processes (model.shard).
+SHARDING = ("none", "fsdp2")
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,28 @@ class Policy:
         policy._upcast_lora()
         policy.load_lora_state("old", policy.lora_state("default"))
         return policy
+
+    def shard_frozen_weights(self) -> None:
+        """Shard the frozen transformer over the process group (FSDP2), block by block.
+
+        Both adapters stay whole on every process: ``default`` so that autograd reaches it
+        and per-reward gradients stay exact (:mod:`mogradient.sharding`), ``old`` so that
+        :meth:`update_old` stays a plain in-place update. Gradients are then averaged over
+        processes by the caller, as without sharding.
+        """
+        shard_frozen(self.transformer, keep=self._adapter_parameters())
+
+    def frozen_weight_bytes(self) -> int:
+        """Bytes of frozen transformer weights held by this process (its shards if sharded)."""
+        adapters = {id(p) for p in self._adapter_parameters()}
+        return sum(
+            (p.to_local() if is_shard(p) else p).nbytes
+            for p in self.transformer.parameters()
+            if id(p) not in adapters
+        )
+
+    def _adapter_parameters(self) -> list[nn.Parameter]:
+        return [p for params in self._params.values() for p in params.values()]
 
     def _upcast_lora(self) -> None:
         """Keep LoRA weights in float32 under a half-precision base, so optimizer steps survive.
@@ -353,6 +378,7 @@ def _check_adapter(adapter: str) -> None:
 __all__ = [
     "ADAPTERS",
     "DTYPES",
+    "SHARDING",
     "LoraSpec",
     "Policy",
 ]

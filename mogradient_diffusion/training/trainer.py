@@ -180,6 +180,9 @@ class Trainer:
             )
         except (LoraTargetError, UnsupportedGuidance) as error:
             raise ConfigError(str(error)) from None
+        if config.model.shard == "fsdp2":
+            self.policy.shard_frozen_weights()
+        self._frozen_gib = self.policy.frozen_weight_bytes() / 2**30
         self.parameters = self.policy.trainable_parameters()
         self.gradients = StepGradients(
             self.policy.transformer,
@@ -641,6 +644,7 @@ class Trainer:
                 f"epoch {self.epoch}: reward {name!r} was NaN (not applicable) for every "
                 "image: it gave no training signal"
             )
+        record[keys.FROZEN_WEIGHTS] = self._frozen_gib
         if torch.cuda.is_available():
             record[keys.PEAK_MEMORY] = torch.cuda.max_memory_allocated() / 2**30
         return record
