@@ -54,6 +54,8 @@ from mogradient_diffusion.model.memory import (
     transformer_blocks,
 )
 
+# GPUs of one node that model.shard: fsdp2 shards the frozen transformer over
+FSDP_GPUS = 8
 # (heads, head_dim, layers, batch, resolution, text tokens): widths 64 to 256, up to 256
 # image tokens; the first is also the test suite's quick case.
 CASES = (
@@ -177,20 +179,26 @@ def recipe_payload(result: MemoryEstimate, high_resolution: ActivationTrace) -> 
     width = _width(recipe.transformer.config)
     blocks = len(result.trace.blocks)
     image_tokens = (recipe.resolution // 16) ** 2
+    settings = [
+        (checkpointing, solve, encoders, 1)
+        for checkpointing in (False, True)
+        for solve in (False, True)
+        for encoders in (False, True)
+    ]
+    # model.shard: fsdp2 on one node, in the setting a large model trains in
+    settings += [(True, solve, False, FSDP_GPUS) for solve in (False, True)]
     totals = {}
-    for checkpointing in (False, True):
-        for solve in (False, True):
-            for encoders in (False, True):
-                key = _setting(checkpointing, solve, encoders)
-                total = result.total(checkpointing, solve, encoders)
-                totals[key] = {
-                    "gib": total / GIB,
-                    "fits": [gpu.label for gpu in GPUS if total <= gpu.bytes],
-                    "largest_batch": {
-                        gpu.label: result.largest_batch(gpu.bytes, checkpointing, solve, encoders)
-                        for gpu in GPUS
-                    },
-                }
+    for checkpointing, solve, encoders, shards in settings:
+        key = _setting(checkpointing, solve, encoders, shards)
+        total = result.total(checkpointing, solve, encoders, shards=shards)
+        totals[key] = {
+            "gib": total / GIB,
+            "fits": [gpu.label for gpu in GPUS if total <= gpu.bytes],
+            "largest_batch": {
+                gpu.label: result.largest_batch(gpu.bytes, checkpointing, solve, encoders, shards)
+                for gpu in GPUS
+            },
+        }
     trace = result.trace
     return {
         "recipe": {
@@ -214,6 +222,7 @@ def recipe_payload(result: MemoryEstimate, high_resolution: ActivationTrace) -> 
         },
         "gib": {
             "transformer": result.transformer_bytes / GIB,
+            f"transformer_fsdp{FSDP_GPUS}": result.transformer_resident(FSDP_GPUS) / GIB,
             "text_encoders": result.text_encoder_bytes / GIB,
             "vae": result.vae_bytes / GIB,
             "lora_state": result.lora_state_bytes / GIB,
@@ -244,9 +253,10 @@ def recipe_payload(result: MemoryEstimate, high_resolution: ActivationTrace) -> 
     }
 
 
-def _setting(checkpointing: bool, solve: bool, encoders: bool) -> str:
+def _setting(checkpointing: bool, solve: bool, encoders: bool, shards: int) -> str:
     return (
-        f"checkpointing {'on' if checkpointing else 'off'}, "
+        (f"FSDP2 over {shards} GPUs, " if shards > 1 else "")
+        + f"checkpointing {'on' if checkpointing else 'off'}, "
         f"{'solve' if solve else 'combined'} step, "
         f"text encoders {'resident' if encoders else 'offloaded'}"
     )
@@ -285,7 +295,12 @@ def render(payload: dict[str, Any]) -> str:
         "assumed. Frozen weights in bf16; LoRA, its gradient, EMA and Adam moments in "
         f"float32 ({sum(LORA_COPIES.values())} copies of D: "
         f"{', '.join(f'{k} {v}' for k, v in LORA_COPIES.items())}); the K x D stack "
-        f"{STACK_COPIES} times (running sum and current piece).",
+        f"{STACK_COPIES} times (running sum and current piece). The per-row engine keeps "
+        "each LoRA Linear call's input (its contraction needs it; without checkpointing "
+        "autograd keeps the same tensor). Under `model.shard: fsdp2` each GPU holds its "
+        "shard of the frozen transformer, two blocks all-gathered whole (the running one "
+        "and the prefetched one) and the weights outside the blocks; the LoRA state stays "
+        "whole on every GPU.",
         "",
         "## Recipes",
         "",
@@ -319,6 +334,7 @@ def render(payload: dict[str, Any]) -> str:
             [
                 "family",
                 "transformer (params)",
+                f"transformer per GPU, FSDP2 over {FSDP_GPUS}",
                 "text encoders (params)",
                 "VAE",
                 "LoRA D",
@@ -435,6 +451,7 @@ def _component_row(r: dict[str, Any]) -> list[str]:
     return [
         r["recipe"]["label"],
         f"{_gib(gib['transformer'])} ({params['transformer'] / 1e9:.2f} B)",
+        _gib(gib[f"transformer_fsdp{FSDP_GPUS}"]),
         f"{_gib(gib['text_encoders'])} ({encoders})",
         f"{gib['vae']:.2f}",
         f"{params['lora'] / 1e6:.1f} M",

@@ -20,11 +20,14 @@ re-runs the forward per row under vmap, which the diffusers transformer and peft
 adapter switching do not survive; TorchJD's ``autogram.Engine`` computes only the Gram
 of per-instance losses (one extra backward and a re-forward of each hooked module) and
 not the stack the update needs. None contracts per-row gradients with per-objective
-coefficients as they are computed. What is captured here is the input and output of
-each call of a trainable Linear while a forward is recorded; each pass hands every
-call's output gradient to the contraction as autograd produces it (a tensor hook), so
-no pass holds them all at once, and forwards recomputed under gradient checkpointing,
-which run outside the recording, are never captured twice.
+coefficients as they are computed. What is captured here is the input of each call of
+a trainable Linear while a forward is recorded, and a hook on its output; each pass
+hands every call's output gradient to the contraction as autograd produces it, so no
+pass holds them all at once. The output itself is not kept (the hook lives on in the
+graph), which halves what a recorded forward holds beyond the plain one; the gradient
+a hook sees is that of the output as the call returned it, even if it is later
+modified in place. Forwards recomputed under gradient checkpointing run outside the
+recording and are never captured twice.
 
 Exactness is the caller's claim that rows do not interact and that every trainable
 parameter is reached only through the hooked calls; :func:`RowGradients.accumulate`
@@ -63,12 +66,10 @@ class _Slots:
 
 @dataclass
 class _Capture:
-    """One recorded call of a trainable Linear."""
+    """One recorded call of a trainable Linear: its input (its output has a hook)."""
 
     slots: _Slots
     inputs: torch.Tensor
-    output: torch.Tensor
-    version: int
 
 
 class RowGradients:
@@ -106,6 +107,8 @@ class RowGradients:
         ]
         self._recording = False
         self._captures: list[_Capture] = []
+        self._generation = 0  # which recording the output hooks belong to
+        self._consume: Callable[[int, torch.Tensor], None] | None = None  # the running pass
 
     @property
     def supported(self) -> bool:
@@ -146,6 +149,7 @@ class RowGradients:
 
     def _start(self) -> None:
         self._captures = []
+        self._generation += 1
         self._recording = True
 
     def _hook(self, slots: _Slots):
@@ -155,9 +159,20 @@ class RowGradients:
             if not torch.is_grad_enabled() or not output.requires_grad:
                 return  # a no-grad call (a rollout, a frozen adapter's pass)
             inputs = args[0] if args else kwargs["input"]
-            self._captures.append(_Capture(slots, inputs, output, output._version))
+            output.register_hook(self._relay(len(self._captures), self._generation))
+            self._captures.append(_Capture(slots, inputs))
 
         return hook
+
+    def _relay(self, index: int, generation: int) -> Callable[[torch.Tensor], None]:
+        """The output hook of call ``index``: its gradient to the running pass, if any
+        (other backward passes through the graph, and stale recordings, are ignored)."""
+
+        def relay(grad: torch.Tensor) -> None:
+            if self._consume is not None and generation == self._generation:
+                self._consume(index, grad)
+
+        return relay
 
     def _recorded(
         self, losses: Iterable[tuple[float, CombinableLoss]]
@@ -319,27 +334,19 @@ class RowGradients:
         trainable parameters, whose own gradients are dropped.
         """
         reached: set[int] = set()
-        handles = []
-        for index, capture in enumerate(captures):
-            if capture.output._version != capture.version:
-                raise RowGradientError(
-                    f"the output of {capture.slots.name!r} was modified in place after the "
-                    "call; per-row gradients need it as it was"
-                )
 
-            def hook(grad: torch.Tensor, index: int = index, capture: _Capture = capture) -> None:
-                reached.add(index)
-                consume(capture, grad)
+        def relayed(index: int, grad: torch.Tensor) -> None:
+            reached.add(index)
+            consume(captures[index], grad)
 
-            handles.append(capture.output.register_hook(hook))
+        self._consume = relayed
         try:
             if captures:
                 torch.autograd.grad(
                     seed, self.parameters, retain_graph=retain_graph, allow_unused=True
                 )
         finally:
-            for handle in handles:
-                handle.remove()
+            self._consume = None
         return reached
 
     def _check_used(self, captures: list[_Capture], passes: list[set[int]]) -> None:

@@ -15,8 +15,10 @@ Counted exactly (device-independent):
   and save the T x T weights, which no GPU run keeps);
 * what gradient checkpointing keeps instead (the blocks' inputs, everything outside the
   blocks, and one block recomputed at a time);
-* the LoRA layers' inputs and outputs that the per-row gradient engine
-  (:class:`mogradient.row_gradients.RowGradients`) holds on solve steps, beyond those.
+* the LoRA layers' inputs that the per-row gradient engine
+  (:class:`mogradient.row_gradients.RowGradients`) holds on solve steps, beyond those;
+* under FSDP2 (``model.shard: fsdp2``), the frozen transformer's shard per GPU plus the
+  blocks all-gathered whole.
 
 Modelled (see ``benchmarks/bench_memory_estimate.py`` for the measurements behind it):
 
@@ -371,7 +373,7 @@ class ActivationTrace:
     saved: int  # every tensor autograd saves (no checkpointing)
     kept: int  # with checkpointing: outside the blocks plus the blocks' inputs
     blocks: tuple[int, ...]  # each block's saved bytes beyond ``kept`` (recomputed)
-    row_captures: int  # per-row engine: LoRA inputs/outputs beyond ``saved``
+    row_captures: int  # per-row engine: the LoRA Linears' inputs beyond ``saved``
     row_captures_checkpointed: int  # the same beyond ``kept``
 
     def activations(self, checkpointing: bool) -> int:
@@ -454,7 +456,7 @@ def trace_training_forward(
         handles.append(block.register_forward_hook(leave, with_kwargs=True))
 
     def capture(module: nn.Module, args: tuple, output: Any) -> None:
-        captured.update(k for k in map(note, _tensors((args, output))) if k is not None)
+        captured.update(k for k in map(note, _tensors(args)) if k is not None)
 
     for module in transformer.modules():
         own = list(module.parameters(recurse=False))
@@ -522,6 +524,7 @@ class MemoryEstimate:
     recipe: Recipe
     transformer_parameters: int
     transformer_bytes: int
+    block_bytes: tuple[int, ...]  # each transformer block's weights (FSDP2's units)
     text_encoder_parameters: dict[str, int]
     text_encoder_bytes: int
     vae_parameters: int
@@ -538,10 +541,21 @@ class MemoryEstimate:
         """The K x D per-reward gradient stack in float32, as a solve step holds it."""
         return STACK_COPIES * self.recipe.rewards * LORA_BYTES * self.lora_parameters
 
-    def resident(self, encoders: bool) -> int:
+    def transformer_resident(self, shards: int = 1) -> int:
+        """The frozen transformer's bytes per GPU, sharded over ``shards`` GPUs by FSDP2
+        (``model.shard: fsdp2``): its shard, plus two blocks all-gathered whole (the one
+        running and the one prefetched) and the weights outside the blocks (gathered for
+        the root's own layers)."""
+        if shards == 1:
+            return self.transformer_bytes
+        outside = self.transformer_bytes - sum(self.block_bytes)
+        shard = -(-self.transformer_bytes // shards)
+        return shard + 2 * max(self.block_bytes) + outside
+
+    def resident(self, encoders: bool, shards: int = 1) -> int:
         """Weights and LoRA state, with or without the text encoders on the GPU."""
         text = self.text_encoder_bytes if encoders else 0
-        return self.transformer_bytes + text + self.vae_bytes + self.lora_state_bytes
+        return self.transformer_resident(shards) + text + self.vae_bytes + self.lora_state_bytes
 
     def step_bytes(self, checkpointing: bool, solve: bool, batch: int | None = None) -> int:
         """A training step's peak above the resident state: activations, the backward's
@@ -557,15 +571,23 @@ class MemoryEstimate:
         return int(scale * rows) + (self.stack_bytes if solve else 0)
 
     def total(
-        self, checkpointing: bool, solve: bool, encoders: bool, batch: int | None = None
+        self,
+        checkpointing: bool,
+        solve: bool,
+        encoders: bool,
+        batch: int | None = None,
+        shards: int = 1,
     ) -> int:
         reserve = int(RUNTIME_RESERVE_GIB * GIB)
-        return self.resident(encoders) + self.step_bytes(checkpointing, solve, batch) + reserve
+        step = self.step_bytes(checkpointing, solve, batch)
+        return self.resident(encoders, shards) + step + reserve
 
-    def largest_batch(self, capacity: int, checkpointing: bool, solve: bool, encoders: bool) -> int:
+    def largest_batch(
+        self, capacity: int, checkpointing: bool, solve: bool, encoders: bool, shards: int = 1
+    ) -> int:
         """The most samples per training forward that fit in ``capacity`` bytes (0: none)."""
         batch = 0
-        while self.total(checkpointing, solve, encoders, batch + 1) <= capacity:
+        while self.total(checkpointing, solve, encoders, batch + 1, shards) <= capacity:
             batch += 1
         return batch
 
@@ -578,6 +600,7 @@ def estimate(recipe: Recipe) -> MemoryEstimate:
     transformer = recipe.transformer.build().to(torch.bfloat16)
     transformer_parameters = parameter_count(transformer)
     transformer_bytes = module_bytes(transformer, WEIGHT_BYTES)
+    blocks = tuple(module_bytes(b, WEIGHT_BYTES) for b in transformer_blocks(transformer))
     lora = add_lora(transformer, family, recipe.lora_rank, recipe.lora_targets)
     forward = training_forward(
         transformer, family, recipe.rows, recipe.resolution, recipe.text_tokens
@@ -586,6 +609,7 @@ def estimate(recipe: Recipe) -> MemoryEstimate:
         recipe=recipe,
         transformer_parameters=transformer_parameters,
         transformer_bytes=transformer_bytes,
+        block_bytes=blocks,
         text_encoder_parameters={name: parameter_count(m) for name, m in encoders.items()},
         text_encoder_bytes=sum(module_bytes(m, WEIGHT_BYTES) for m in encoders.values()),
         vae_parameters=parameter_count(vae),
