@@ -21,13 +21,12 @@ adapter switching do not survive; TorchJD's ``autogram.Engine`` computes only th
 of per-instance losses (one extra backward and a re-forward of each hooked module) and
 not the stack the update needs. None contracts per-row gradients with per-objective
 coefficients as they are computed. What is captured here is the input of each call of
-a trainable Linear while a forward is recorded, and a hook on its output; each pass
-hands every call's output gradient to the contraction as autograd produces it, so no
-pass holds them all at once. The output itself is not kept (the hook lives on in the
-graph), which halves what a recorded forward holds beyond the plain one; the gradient
-a hook sees is that of the output as the call returned it, even if it is later
-modified in place. Forwards recomputed under gradient checkpointing run outside the
-recording and are never captured twice.
+a trainable Linear while a forward is recorded, and an identity node on its output;
+each pass hands every call's output gradient to the contraction as autograd produces it,
+so no pass holds them all at once. The output itself is not kept (the node lives on in
+the graph), which halves what a recorded forward holds beyond the plain one; modifying
+it in place is refused by autograd. Forwards recomputed under gradient checkpointing run
+outside the recording and are never captured twice.
 
 Exactness is the caller's claim that rows do not interact and that every trainable
 parameter is reached only through the hooked calls; :func:`RowGradients.accumulate`
@@ -70,6 +69,27 @@ class _Capture:
 
     slots: _Slots
     inputs: torch.Tensor
+
+
+class _RowGradientRelay(torch.autograd.Function):
+    """The identity on a recorded call's output whose backward hands the output's
+    gradient to the engine.
+
+    A node of its own rather than a tensor hook: a hook on a view (a Linear on 3-D input
+    returns one) is bypassed if the view is later modified in place, silently; this
+    node's output may not be modified in place at all (autograd refuses it, naming this
+    class), and the node sees the gradient of the value the call returned.
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, relay: Callable[[torch.Tensor], None]):
+        ctx.relay = relay
+        return output.view_as(output)  # an alias: nothing is copied or kept
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.relay(grad)
+        return grad, None
 
 
 class RowGradients:
@@ -153,14 +173,17 @@ class RowGradients:
         self._recording = True
 
     def _hook(self, slots: _Slots):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+        def hook(
+            module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor
+        ) -> torch.Tensor | None:
             if not self._recording or not isinstance(output, torch.Tensor):
-                return
+                return None
             if not torch.is_grad_enabled() or not output.requires_grad:
-                return  # a no-grad call (a rollout, a frozen adapter's pass)
+                return None  # a no-grad call (a rollout, a frozen adapter's pass)
             inputs = args[0] if args else kwargs["input"]
-            output.register_hook(self._relay(len(self._captures), self._generation))
+            relay = self._relay(len(self._captures), self._generation)
             self._captures.append(_Capture(slots, inputs))
+            return _RowGradientRelay.apply(output, relay)
 
         return hook
 

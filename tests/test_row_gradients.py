@@ -278,8 +278,7 @@ def test_planted_bug_call_captured_twice_breaks_agreement(
         hook = original(self, slots)
 
         def doubled(module, args, kwargs, output):
-            hook(module, args, kwargs, output)
-            hook(module, args, kwargs, output)
+            return hook(module, args, kwargs, hook(module, args, kwargs, output))
 
         return doubled
 
@@ -419,5 +418,46 @@ def test_a_linear_called_by_keyword_is_recorded() -> None:
     engine = RowGradients(model, params)
     with engine.recording():
         loss = _nft_like(model(_inputs()))
+    reference = _reference(loss, params)
+    _assert_exact(engine.stack(loss), reference)
+
+
+def test_an_output_modified_in_place_after_the_call_is_refused() -> None:
+    """A Linear on 3-D input returns a view; a hook on it would be bypassed, silently, if
+    the view were modified in place. The engine's relay node makes autograd refuse it."""
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.linear(x)
+            return torch.tanh(y.mul_(1.5).add_(x))  # what a fused residual might do
+
+    torch.manual_seed(0)
+    model = InPlace().double()
+    assert _nft_like(model(_inputs())) is not None  # unrecorded, the forward is fine
+    engine = RowGradients(model, _params(model))
+    with engine.recording(), pytest.raises(RuntimeError, match="_RowGradientRelay"):
+        model(_inputs())
+
+
+def test_a_recorded_forward_does_not_keep_the_outputs_alive() -> None:
+    """Only the inputs are captured (the contraction's x); each output is freed with the
+    forward as in an unrecorded one, and its gradient still reaches the engine."""
+    import weakref
+
+    model = _net()
+    params = _params(model)
+    outputs: list[weakref.ref] = []
+    handle = model.first.down.register_forward_hook(
+        lambda m, a, out: outputs.append(weakref.ref(out))
+    )
+    engine = RowGradients(model, params)
+    with engine.recording():
+        loss = _nft_like(model(_inputs()))
+    handle.remove()
+    assert len(outputs) == 1 and outputs[0]() is None  # the residual add saves nothing
     reference = _reference(loss, params)
     _assert_exact(engine.stack(loss), reference)
