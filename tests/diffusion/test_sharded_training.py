@@ -4,7 +4,8 @@ Each family's tiny pipeline trains MARBLE with a solve on every step (the per-ro
 engine, checked against K backward passes on the first) and gradient checkpointing,
 once with the frozen transformer sharded and once replicated; the runs must be the same
 run: rewards, weights, gradient norms and the saved LoRA, while each process holds about
-half the frozen weights.
+half the frozen weights. The replicated runs are also the trainer's DDP test: the two
+processes' adapters stay identical.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def test_sharded_frozen_weights_train_as_the_replicated_run(tmp_path: Path, fami
         assert ours.keys() == reference.keys()
         differing = [k for k in ours if not _same(ours[k], reference[k])]
         assert not differing, [(k, ours[k], reference[k]) for k in differing[:5]]
-        assert mine[keys.FROZEN_WEIGHTS] < 0.6 * theirs[keys.FROZEN_WEIGHTS]
-        assert mine[keys.PARAMETER_DIVERGENCE] == 0.0
+        assert 0.5 <= mine[keys.FROZEN_WEIGHTS] / theirs[keys.FROZEN_WEIGHTS] < 0.6
+        assert mine[keys.PARAMETER_DIVERGENCE] == theirs[keys.PARAMETER_DIVERGENCE] == 0.0
     steps = [step for record in sharded for step in record[keys.OPTIMIZER_STEPS]]
     solved = [step for step in steps if step.get("solved")]
     assert solved and {step["engine"] for step in solved} == {"rows"}

@@ -363,34 +363,6 @@ def _environment() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def test_two_process_gloo_run_keeps_replicas_identical(tmp_path: Path) -> None:
-    run_dir = tmp_path / "ddp"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "mogradient_diffusion.cli",
-        "train",
-        "--preset",
-        "tiny",
-        f"run.directory={run_dir}",
-        "run.quiet=true",
-        "train.epochs=2",
-    ]
-    result = subprocess.run(
-        command, env=_environment(), capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(run_dir)
-    assert len(records) == 2
-    assert all(record["ddp/parameter_divergence"] == 0.0 for record in records)
-    assert any(step["solved"] for record in records for step in record["optimizer_steps"])
-
-
 def test_killed_run_resumes_and_reproduces_the_uninterrupted_one(tmp_path: Path) -> None:
     epochs = ["train.epochs=8", "run.checkpoint_every=1", "run.keep_checkpoints=8"]
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
