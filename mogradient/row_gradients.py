@@ -65,7 +65,7 @@ class _Slots:
 
 @dataclass
 class _Capture:
-    """One recorded call of a trainable Linear: its input (its output has a hook)."""
+    """One recorded call of a trainable Linear: its input (its output has a relay node)."""
 
     slots: _Slots
     inputs: torch.Tensor
@@ -127,7 +127,7 @@ class RowGradients:
         ]
         self._recording = False
         self._captures: list[_Capture] = []
-        self._generation = 0  # which recording the output hooks belong to
+        self._generation = 0  # which recording the relay nodes belong to
         self._consume: Callable[[int, torch.Tensor], None] | None = None  # the running pass
 
     @property
@@ -188,8 +188,9 @@ class RowGradients:
         return hook
 
     def _relay(self, index: int, generation: int) -> Callable[[torch.Tensor], None]:
-        """The output hook of call ``index``: its gradient to the running pass, if any
-        (other backward passes through the graph, and stale recordings, are ignored)."""
+        """What call ``index``'s relay node does with its output gradient: hand it to the
+        running pass, if any (other backward passes through the graph, and stale
+        recordings, are ignored)."""
 
         def relay(grad: torch.Tensor) -> None:
             if self._consume is not None and generation == self._generation:

@@ -10,23 +10,28 @@ engine (K backward passes, the per-row engine, the Gram) works unchanged on each
 and the ranks average their local K x D stacks with one all-reduce, as under DDP
 (:func:`mogradient.distributed.distributed_objective_gradients`).
 
-This fits adapter training, where the frozen base is what fills the memory: a LoRA is a
-few hundred MB even on a 20 B transformer, and stays replicated on every rank.
+This fits adapter training, where the frozen base is what fills the memory: the LoRA
+stays replicated on every rank, and is small beside it (rank 64 on the 20 B Qwen-Image
+transformer: 1.7 GB in float32 against 41 GB of bf16 weights).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def shard_frozen(
     module: nn.Module,
     keep: Iterable[torch.Tensor] | None = None,
     blocks: Sequence[nn.Module] | None = None,
-    mesh=None,
+    mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters with FSDP2 over the process group, except ``keep``.
