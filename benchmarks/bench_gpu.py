@@ -63,8 +63,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,7 +74,7 @@ import torch.distributed as dist
 from bench_trainer import LABELS as STRATEGY_LABELS
 from bench_trainer import PAPER, THREADS, _compact, source_state
 from bench_trainer import STRATEGIES as STRATEGY_OVERRIDES
-from common import machine_info, markdown_table
+from common import default_dtype, machine_info, markdown_table
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
@@ -479,18 +478,6 @@ class RandomTextEmbeddings:
         if parts.pooled_source is None:
             return f"{text} with an all-ones token mask."
         return f"{text}, pooled [B, {self.shape.pooled_width}] ({parts.pooled_source})."
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Create parameters in ``dtype``: a 20 B model initialised in float32 first would not fit
-    an 80 GB GPU on its way to bf16."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def build_pipeline(shape: Shape, device: torch.device, dtype: torch.dtype):

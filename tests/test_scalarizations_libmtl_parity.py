@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is not installed; `python -m pytest` adds it too
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.mtl.compare_tools import default_dtype  # noqa: E402
+from benchmarks.common import default_dtype  # noqa: E402
 from benchmarks.mtl.methods import LibMTL, libmtl_installed  # noqa: E402
 from benchmarks.mtl.parity_model import TASKS, Model, batches  # noqa: E402
 from mogradient.scalarizations.dwa import DWA  # noqa: E402

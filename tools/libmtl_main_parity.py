@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is not installed; run as a script, it is not found
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.mtl.compare_tools import default_dtype  # noqa: E402
+from benchmarks.common import default_dtype  # noqa: E402
 from benchmarks.mtl.parity_model import TASKS, Model, batches  # noqa: E402
 from mogradient.scalarizations.db_mtl import DBMTL  # noqa: E402
 from mogradient.scalarizations.moco import MoCo  # noqa: E402

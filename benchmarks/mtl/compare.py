@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 import mogradient as mg
-from benchmarks.common import markdown_table
+from benchmarks.common import default_dtype, markdown_table
 from benchmarks.mtl import compare_losses
-from benchmarks.mtl.compare_tools import default_dtype, implied_weights, libmtl_weighting
+from benchmarks.mtl.compare_tools import implied_weights, libmtl_weighting
 from benchmarks.mtl.data import PROBLEMS
 from benchmarks.mtl.methods import (
     CAGRAD_C,

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 import mogradient as mg
-from benchmarks.common import markdown_table
-from benchmarks.mtl.compare_tools import default_dtype, implied_weights, libmtl_weighting
+from benchmarks.common import default_dtype, markdown_table
+from benchmarks.mtl.compare_tools import implied_weights, libmtl_weighting
 from benchmarks.mtl.methods import STCH_MU, libmtl_installed
 
 LOSS_TASKS = 3

@@ -3,24 +3,9 @@ to one parameter, in float64, and the task weights a direction implies."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 from benchmarks.mtl.methods import libmtl_weighting_module
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """LibMTL builds its gradient buffers and scales in torch's default dtype: set it to the
-    inputs' (float64 keeps them exact) for the block."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def libmtl_weighting(name: str, parameter: torch.Tensor, task_num: int):
