@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from common import machine_info, machine_markdown, markdown_table, write_results
-from torch.profiler import ProfilerActivity, profile
 
 from mogradient.row_gradients import RowGradients
 from mogradient_diffusion.model.families import family_named
@@ -48,6 +46,7 @@ from mogradient_diffusion.model.memory import (
     Recipe,
     add_lora,
     estimate,
+    measured_cpu_peak,
     scaled_down,
     trace_training_forward,
     training_forward,
@@ -70,18 +69,6 @@ MODES = (
     ("row engine", False, True),
     ("row engine + checkpointing", True, True),
 )
-
-
-def measure_peak(step: Callable[[], Any]) -> int:
-    """High-water mark of the bytes allocated during ``step`` (CPU allocator events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        step()
-    events = [e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
-    current = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
 
 
 def build(recipe: Recipe, case: tuple[int, ...], device: str) -> tuple[torch.nn.Module, int]:
@@ -134,7 +121,7 @@ def validate(recipe: Recipe, case: tuple[int, ...]) -> dict[str, Any]:
             loss.backward()
             recorder._take()  # drop the recorded calls, as a solve step's contraction does
 
-        measured = measure_peak(step)
+        measured = measured_cpu_peak(step)
         kept = counted.activations(checkpointing)
         if rows_engine:
             kept += counted.captures(checkpointing)

@@ -516,6 +516,21 @@ def training_forward(
     return forward
 
 
+def measured_cpu_peak(step: Callable[[], Any]) -> int:
+    """High-water mark of the bytes allocated during ``step`` on CPU (``torch.profiler``
+    memory events): what the activation model is checked against."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
+    events = [e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
 # ------------------------------------------------------------------------ estimate
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -686,6 +701,7 @@ __all__ = [
     "Recipe",
     "add_lora",
     "estimate",
+    "measured_cpu_peak",
     "module_bytes",
     "scaled_down",
     "trace_training_forward",

@@ -11,7 +11,6 @@ import pytest
 import torch
 import yaml
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from mogradient_diffusion.config.settings import RolloutConfig
 from mogradient_diffusion.model.families import family_named
@@ -22,6 +21,7 @@ from mogradient_diffusion.model.memory import (
     ActivationTrace,
     add_lora,
     estimate,
+    measured_cpu_peak,
     scaled_down,
     trace_training_forward,
     training_forward,
@@ -119,17 +119,6 @@ def test_meta_count_is_the_cpu_count_of_the_same_forward(name: str) -> None:
     assert on_meta.activations(True) < on_meta.activations(False)
 
 
-def _measured_peak(step) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        step()
-    events = [e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
-    current = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
-
-
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_estimate_bounds_the_measured_cpu_peak_of_a_training_step(checkpointing: bool) -> None:
     """FLUX-shaped forward + backward on CPU: the estimate is within 5% below and 30% above
@@ -144,7 +133,7 @@ def test_estimate_bounds_the_measured_cpu_peak_of_a_training_step(checkpointing:
             parameter.grad = torch.zeros_like(parameter)
     if checkpointing:
         transformer.enable_gradient_checkpointing()
-    measured = _measured_peak(lambda: forward().backward())
+    measured = measured_cpu_peak(lambda: forward().backward())
     estimated = trace.activations(checkpointing) + trace.transient()
     assert 0.95 * measured <= estimated <= 1.3 * measured, (measured, estimated, recipe.label)
 
