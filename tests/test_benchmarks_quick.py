@@ -148,3 +148,25 @@ def test_instance_gram_quick_compares_with_torchjd(tmp_path: Path) -> None:
         assert set(case["median_ms"]) == {"mogradient", "torchjd", "forward + backward"}
         assert all(error < 1e-5 for error in case["relative_error"].values())
         assert all(value >= 0 for value in case["peak_growth_mib"].values())
+
+
+def test_memory_estimate_benchmark_quick_checks_each_family_and_writes_only_out(
+    tmp_path: Path,
+) -> None:
+    """One scaled-down case per family measured on CPU, every recipe tabulated (FSDP2 rows
+    included), results only under --out."""
+    pytest.importorskip("diffusers", reason="the diffusion extra is not installed")
+    before = _results_state()
+    _run_quick(BENCHMARKS / "bench_memory_estimate.py", "--out", str(tmp_path))
+    payload = _load(tmp_path, "memory_estimate")
+    assert sorted({case["family"] for case in payload["validation"]}) == [
+        "flux",
+        "qwen_image",
+        "sd3",
+    ]
+    for case in payload["validation"]:  # a profiled peak moves ~1% between runs
+        for mode in case["modes"].values():
+            assert mode["estimated_bytes"] >= 0.95 * mode["measured_bytes"] > 0
+    for recipe in payload["recipes"].values():
+        assert any(setting.startswith("FSDP2 over 8 GPUs") for setting in recipe["totals"])
+    assert _results_state() == before
