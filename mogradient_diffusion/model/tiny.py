@@ -60,31 +60,21 @@ class TinySD3Spec:
 def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...] = ()):
     """Return a randomly initialised ``StableDiffusion3Pipeline`` of the given sizes."""
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from transformers import CLIPTextModelWithProjection
 
-    vocabulary = tuple(dict.fromkeys(DEFAULT_WORDS + tuple(w.lower() for w in words)))
+    vocabulary = _vocabulary(words)
     torch.manual_seed(spec.seed)
     clip_tokenizer = _clip_tokenizer(vocabulary, spec.clip_max_length)
     t5_tokenizer = _t5_tokenizer(vocabulary)
-    clip_config = {
-        "vocab_size": len(clip_tokenizer.get_vocab()),
-        "hidden_size": spec.clip_hidden,
-        "intermediate_size": 2 * spec.clip_hidden,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "max_position_embeddings": spec.clip_max_length,
-        "projection_dim": spec.t5_width // 2,
-        "bos_token_id": clip_tokenizer.bos_token_id,
-        "eos_token_id": clip_tokenizer.eos_token_id,
-        "pad_token_id": clip_tokenizer.pad_token_id,
-    }
-    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**clip_config))
-    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**clip_config))
+    clip_config = _clip_text_config(
+        clip_tokenizer, spec.clip_hidden, spec.clip_max_length, projection_dim=spec.t5_width // 2
+    )
+    text_encoder = CLIPTextModelWithProjection(clip_config)
+    text_encoder_2 = CLIPTextModelWithProjection(clip_config)
     text_encoder_3 = _t5_encoder(t5_tokenizer, spec.t5_width)
     transformer = SD3Transformer2DModel(
         sample_size=spec.latent_size,
@@ -101,19 +91,8 @@ def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...
         dual_attention_layers=(0,),
         qk_norm="rms_norm",
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * spec.vae_blocks,
-        up_block_types=["UpDecoderBlock2D"] * spec.vae_blocks,
-        block_out_channels=[spec.vae_width] * spec.vae_blocks,
-        layers_per_block=1,
-        latent_channels=spec.latent_channels,
-        norm_num_groups=min(4, spec.vae_width),
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
+    vae = _tiny_vae(
+        spec.latent_channels, spec.vae_width, spec.vae_blocks, scaling=1.5305, shift=0.0609
     )
     return StableDiffusion3Pipeline(
         transformer=transformer,
@@ -135,6 +114,50 @@ def save_tiny_pipeline(
     directory = Path(directory)
     build_tiny_pipeline(spec, words).save_pretrained(directory)
     return directory
+
+
+def _vocabulary(words: tuple[str, ...]) -> tuple[str, ...]:
+    """The tokenizers' known words: the defaults, then ``words`` (lower-cased), once each."""
+    return tuple(dict.fromkeys(DEFAULT_WORDS + tuple(w.lower() for w in words)))
+
+
+def _clip_text_config(tokenizer, hidden: int, max_length: int, projection_dim: int):
+    """A one-layer CLIP text tower's config over ``tokenizer``'s vocabulary (SD3's, FLUX's)."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer.get_vocab()),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=max_length,
+        projection_dim=projection_dim,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _tiny_vae(latent_channels: int, width: int, blocks: int, scaling: float, shift: float):
+    """An ``AutoencoderKL`` halving the image ``blocks - 1`` times, with the family's latent
+    scaling and shift (SD3's and FLUX's VAE share the architecture, not the constants)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * blocks,
+        up_block_types=["UpDecoderBlock2D"] * blocks,
+        block_out_channels=[width] * blocks,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=min(4, width),
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=scaling,
+        shift_factor=shift,
+    )
 
 
 def _t5_encoder(tokenizer, width: int):

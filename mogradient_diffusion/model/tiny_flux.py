@@ -18,10 +18,12 @@ import torch
 
 from mogradient_diffusion.model.tiny import (
     CLIP_MAX_LENGTH,
-    DEFAULT_WORDS,
+    _clip_text_config,
     _clip_tokenizer,
     _t5_encoder,
     _t5_tokenizer,
+    _tiny_vae,
+    _vocabulary,
 )
 
 # FLUX.1-dev's scheduler: the shift follows the number of image tokens (mu), from 0.5 at
@@ -69,30 +71,16 @@ class TinyFluxSpec:
 
 def build_tiny_flux_pipeline(spec: TinyFluxSpec = TinyFluxSpec(), words: tuple[str, ...] = ()):
     """Return a randomly initialised ``FluxPipeline`` of the given sizes."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        FluxPipeline,
-        FluxTransformer2DModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
 
-    vocabulary = tuple(dict.fromkeys(DEFAULT_WORDS + tuple(w.lower() for w in words)))
+    vocabulary = _vocabulary(words)
     torch.manual_seed(spec.seed)
     clip_tokenizer = _clip_tokenizer(vocabulary, CLIP_MAX_LENGTH)
     t5_tokenizer = _t5_tokenizer(vocabulary)
     text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(clip_tokenizer.get_vocab()),
-            hidden_size=spec.clip_hidden,
-            intermediate_size=2 * spec.clip_hidden,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            max_position_embeddings=CLIP_MAX_LENGTH,
-            projection_dim=spec.clip_hidden,
-            bos_token_id=clip_tokenizer.bos_token_id,
-            eos_token_id=clip_tokenizer.eos_token_id,
-            pad_token_id=clip_tokenizer.pad_token_id,
+        _clip_text_config(
+            clip_tokenizer, spec.clip_hidden, CLIP_MAX_LENGTH, projection_dim=spec.clip_hidden
         )
     )
     text_encoder_2 = _t5_encoder(t5_tokenizer, spec.t5_width)
@@ -108,19 +96,12 @@ def build_tiny_flux_pipeline(spec: TinyFluxSpec = TinyFluxSpec(), words: tuple[s
         guidance_embeds=spec.guidance_embeds,
         axes_dims_rope=list(spec.rope_axes),
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * spec.vae_blocks,
-        up_block_types=["UpDecoderBlock2D"] * spec.vae_blocks,
-        block_out_channels=[spec.vae_width] * spec.vae_blocks,
-        layers_per_block=1,
-        latent_channels=spec.latent_channels,
-        norm_num_groups=min(4, spec.vae_width),
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        scaling_factor=VAE_SCALING_FACTOR,
-        shift_factor=VAE_SHIFT_FACTOR,
+    vae = _tiny_vae(
+        spec.latent_channels,
+        spec.vae_width,
+        spec.vae_blocks,
+        scaling=VAE_SCALING_FACTOR,
+        shift=VAE_SHIFT_FACTOR,
     )
     scheduler = DEV_SCHEDULER if spec.guidance_embeds else SCHNELL_SCHEDULER
     return FluxPipeline(
