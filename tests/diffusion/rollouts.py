@@ -1,12 +1,15 @@
-"""One rollout of a trainer's first epoch prompts, for tests that train on it by hand."""
+"""Rollouts for tests: a trainer's first-epoch rollout to train on by hand, and a recorded
+SDE step rescored as Flow-GRPO's training forward scores it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mogradient_diffusion.objectives import RolloutRequest
+from mogradient_diffusion.sampling.sde import transition_log_prob
 from mogradient_diffusion.training.trainer import Trainer
 
 
@@ -22,3 +25,24 @@ def first_rollout(trainer: Trainer, seed: int = 0) -> Any:
         generator=torch.Generator().manual_seed(seed),
     )
     return trainer.objective.rollout(trainer.policy, request, trainer._score)
+
+
+def rescored_log_prob(
+    result: Any, velocity: Callable, sigmas: torch.Tensor, step: int, eta: float
+) -> torch.Tensor:
+    """log p of recorded SDE step ``step`` of ``result`` (an ``integrate`` result) under
+    ``velocity``, with grad on, as Flow-GRPO's training forward scores it for its ratio."""
+    i = int(result.steps[step])
+    level = sigmas[i].expand(len(result.latents))
+    v = velocity(result.latents[:, step], level)
+    assert v.requires_grad
+    log_prob, _, _ = transition_log_prob(
+        result.latents[:, step],
+        v,
+        result.next_latents[:, step],
+        level,
+        sigmas[i + 1],
+        float(sigmas[1]),
+        eta,
+    )
+    return log_prob

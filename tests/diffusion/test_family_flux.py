@@ -24,8 +24,9 @@ from mogradient_diffusion.model.tiny_flux import TinyFluxSpec, save_tiny_flux_pi
 from mogradient_diffusion.rewards.base import to_uint8_images
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.sampling.rollout import RolloutBatch, guided_velocity, rollout
-from mogradient_diffusion.sampling.sde import transition_log_prob
 from mogradient_diffusion.sampling.solver import integrate
+
+from .rollouts import rescored_log_prob
 
 PROMPTS = ["a red cat", 'a sign saying "hello"']
 MAX_TOKENS = 32
@@ -247,19 +248,7 @@ def test_flow_grpo_ratio_is_exactly_one_before_an_update(flux_dirs, variant, cfg
     velocity = guided_velocity(policy, embeds, negative, cfg, "default", detach_uncond=True)
 
     def ratio(step: int) -> torch.Tensor:
-        i = int(result.steps[step])
-        level = sigmas[i].expand(4)
-        v = velocity(result.latents[:, step], level)
-        assert v.requires_grad
-        log_prob, _, _ = transition_log_prob(
-            result.latents[:, step],
-            v,
-            result.next_latents[:, step],
-            level,
-            sigmas[i + 1],
-            float(sigmas[1]),
-            0.9,
-        )
+        log_prob = rescored_log_prob(result, velocity, sigmas, step, 0.9)
         return torch.exp(log_prob - result.log_probs[:, step]).detach()
 
     for step in range(5):

@@ -18,8 +18,9 @@ from mogradient_diffusion.model.policy import LoraSpec, Policy
 from mogradient_diffusion.model.tiny_qwen_image import save_tiny_qwen_image_pipeline
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.sampling.rollout import guided_velocity, rollout
-from mogradient_diffusion.sampling.sde import transition_log_prob
 from mogradient_diffusion.sampling.solver import integrate
+
+from .rollouts import rescored_log_prob
 
 PROMPTS = ["a red cat", "a dog on a big table"]
 MAX_TOKENS = 32
@@ -214,18 +215,7 @@ def test_flow_grpo_ratio_is_one_on_the_first_step(policy: Policy) -> None:
     )
     velocity = guided_velocity(policy, embeds, negative, GUIDANCE, "default", detach_uncond=True)
     for step in range(5):
-        level = sigmas[step].expand(4)
-        v = velocity(result.latents[:, step], level)
-        assert v.requires_grad
-        log_prob, _, _ = transition_log_prob(
-            result.latents[:, step],
-            v,
-            result.next_latents[:, step],
-            level,
-            sigmas[step + 1],
-            float(sigmas[1]),
-            eta,
-        )
+        log_prob = rescored_log_prob(result, velocity, sigmas, step, eta)
         ratio = torch.exp(log_prob - result.log_probs[:, step]).detach()
         assert torch.equal(ratio, torch.ones(4)), f"step {step}: r = {ratio.tolist()}"
 

@@ -21,6 +21,8 @@ from mogradient_diffusion.sampling.sde import (
 )
 from mogradient_diffusion.sampling.solver import integrate
 
+from .rollouts import rescored_log_prob
+
 MAX_TOKENS = 32
 
 
@@ -221,20 +223,7 @@ def test_training_time_log_prob_reproduces_the_rollout_and_ratio_is_one(policy: 
 
     def rescored(step: int) -> torch.Tensor:
         velocity = guided_velocity(policy, embeds, negative, 4.5, "default", detach_uncond=True)
-        i = int(result.steps[step])
-        level = sigmas[i].expand(4)
-        v = velocity(result.latents[:, step], level)
-        assert v.requires_grad
-        log_prob, _, _ = transition_log_prob(
-            result.latents[:, step],
-            v,
-            result.next_latents[:, step],
-            level,
-            sigmas[i + 1],
-            float(sigmas[1]),
-            0.7,
-        )
-        return log_prob
+        return rescored_log_prob(result, velocity, sigmas, step, 0.7)
 
     for step in range(5):
         ratio = torch.exp(rescored(step) - result.log_probs[:, step])
