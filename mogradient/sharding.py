@@ -63,7 +63,7 @@ def shard_frozen(
         )
     if mesh is None:
         mesh = init_device_mesh(parameters[0].device.type, (dist.get_world_size(),))
-    units = list(blocks) if blocks is not None else _top_level_blocks(module)
+    units = list(blocks) if blocks is not None else default_blocks(module)
     for unit in units:
         fully_shard(
             unit, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept
@@ -72,7 +72,9 @@ def shard_frozen(
     return module
 
 
-def _top_level_blocks(module: nn.Module) -> list[nn.Module]:
+def default_blocks(module: nn.Module) -> list[nn.Module]:
+    """The units :func:`shard_frozen` all-gathers one at a time unless told otherwise: the
+    members of ``module``'s top-level ``nn.ModuleList`` s."""
     return [
         block for child in module.children() if isinstance(child, nn.ModuleList) for block in child
     ]

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mogradient.sharding import default_blocks
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.model.families import Family, family_named
 from mogradient_diffusion.model.policy import LoraSpec
@@ -539,7 +540,7 @@ class MemoryEstimate:
     recipe: Recipe
     transformer_parameters: int
     transformer_bytes: int
-    block_bytes: tuple[int, ...]  # each transformer block's weights (FSDP2's units)
+    block_bytes: tuple[int, ...]  # each unit shard_frozen all-gathers whole (a block)
     text_encoder_parameters: dict[str, int]
     text_encoder_bytes: int
     vae_parameters: int
@@ -615,7 +616,7 @@ def estimate(recipe: Recipe) -> MemoryEstimate:
     transformer = recipe.transformer.build().to(torch.bfloat16)
     transformer_parameters = parameter_count(transformer)
     transformer_bytes = module_bytes(transformer, WEIGHT_BYTES)
-    blocks = tuple(module_bytes(b, WEIGHT_BYTES) for b in transformer_blocks(transformer))
+    blocks = tuple(module_bytes(b, WEIGHT_BYTES) for b in default_blocks(transformer))
     lora = add_lora(transformer, family, recipe.lora_rank, recipe.lora_targets)
     forward = training_forward(
         transformer, family, recipe.rows, recipe.resolution, recipe.text_tokens
