@@ -138,15 +138,19 @@ def masked_mean_coefficients(
             f"valid must have shape (K, B) = {(per_sample.shape[0], per_sample.shape[2])}, "
             f"got {tuple(valid.shape)}"
         )
-    valid = valid.to(torch.bool)
+    # The mask and counts may come from the host (a trainer keeps advantages there): move
+    # them to the values' device before they meet.
+    valid = valid.to(device=per_sample.device, dtype=torch.bool)
     if counts is None:
         counts = valid.sum(dim=1)
-    elif counts.shape != (valid.shape[0],) or bool((counts < valid.sum(dim=1)).any()):
-        raise ValueError(
-            f"counts must have shape (K,) = ({valid.shape[0]},) and be at least the valid "
-            f"samples of this piece {valid.sum(dim=1).tolist()}, got {counts.tolist()}"
-        )
-    counts = counts.to(device=per_sample.device).reshape(-1, 1).clamp_min(1).to(per_sample.dtype)
+    else:
+        counts = counts.to(per_sample.device)
+        if counts.shape != (valid.shape[0],) or bool((counts < valid.sum(dim=1)).any()):
+            raise ValueError(
+                f"counts must have shape (K,) = ({valid.shape[0]},) and be at least the valid "
+                f"samples of this piece {valid.sum(dim=1).tolist()}, got {counts.tolist()}"
+            )
+    counts = counts.reshape(-1, 1).clamp_min(1).to(per_sample.dtype)
     scale = valid.to(per_sample.dtype) / counts
     safe = torch.where(valid[:, None, :], per_sample, torch.zeros_like(per_sample))
     return (safe * scale[:, None, :]).detach()

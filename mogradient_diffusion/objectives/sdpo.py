@@ -293,10 +293,11 @@ class SDPOObjective:
             partner=own.rows(rows ^ 1),
             first_rewards=first,
             anchor_rewards=anchor,
+            # Beside the rewards on the host, where the advantages are computed.
             similarities=torch.stack(
                 (similarities.first, similarities.middle, similarities.last), dim=1
-            ),
-            anchors=similarities.anchor,
+            ).cpu(),
+            anchors=similarities.anchor.cpu(),
             prompt_keys=torch.tensor([prompt_key(p) for p in sampled.prompts]),
         )
 
