@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 
-.PHONY: demo toys mini mini-objectives test docs fuzz lint bench bench-gpu mtl clean
+.PHONY: demo toys mini mini-objectives test docs fuzz lint bench bench-gpu gpu-wheels mtl clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# Debian's Tesseract for the OCR reward (skipped when already on PATH).
@@ -72,6 +72,21 @@ bench: $(STAMP)
 # Writes benchmarks/results/gpu/gpu_<device>.{json,md}; on a CPU it is a smoke run only.
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/bench_gpu.py --shape sd35m
+
+# Before a GPU lease (docs/benchmarks/gpu.md): the wheels benchmarks/gpu_lease.sh installs on
+# the lent machine, which has no network, for its Python 3.12 on x86-64. Its image has torch,
+# transformers, peft, accelerate, safetensors and tokenizers but not diffusers: diffusers at
+# the pinned version (pure Python). Then checks that what a device call carries (tracked and
+# untracked files plus .whl) fits the lease's 64 MiB. Needs only the package registry.
+GPU_WHEELS := diffusers
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+gpu-wheels:
+	rm -rf .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(addprefix --platform ,$(GPU_PLATFORMS)) -c $(CONSTRAINTS) \
+		-d .whl $(GPU_WHEELS)
+	ls -l .whl
+	$(PYTHON) benchmarks/gpu_lease.py size --carry .whl
 
 # Multi-task head-to-head vs TorchJD and LibMTL on scikit-learn's digits (5 seeds; ~50 min on
 # a shared 2-core machine).

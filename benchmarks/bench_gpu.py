@@ -34,8 +34,18 @@ Measured: bf16 matmul peak (large ``torch.matmul``, same run); rollout images/s 
 25 sampler steps with achieved TFLOP/s and MFU (FLOPs from ``FlopCounterMode``); training
 seconds per optimizer step and per (sample, timestep), MFU and peak memory, with and
 without gradient checkpointing, for weighted sum, MARBLE amortized (N = 10) and MARBLE
-every step, interleaved epoch by epoch; their speed and memory ratios; and a one-process
-``torchrun`` run whose collectives go through NCCL (gloo on CPU).
+every step, interleaved epoch by epoch; their speed and memory ratios; and, last, a
+one-process ``torchrun`` run whose collectives go through NCCL (gloo on CPU).
+
+One optimizer step per epoch: an amortized row's measured window would hold no solve at
+all in fewer than N rounds (round 0, the warm-up, fills the cache). Its cache is emptied
+at the first measured round, so the window starts with its solve, and its throughput is
+the N-step cycle of its own measured step times, ``(t_solve + (N - 1) t_cached) / N``.
+
+Built for a short GPU lease (``benchmarks/gpu_lease.sh``): the JSON and markdown are
+rewritten after every stage and training epoch (a run killed at the lease's limit keeps
+what it measured), a failing stage or row is recorded and the others go on, and
+``--budget`` stops starting rounds that would not finish in time.
 
 The real shapes (``sd35m``, ``flux1dev``, ``qwen_image``) need a CUDA device. Each has a
 tiny model of the same structure (``small``, ``flux1dev_small``, ``qwen_image_small``)
@@ -51,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -66,7 +77,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from unittest import mock
 
 import torch
@@ -124,6 +135,9 @@ BASELINE = "weighted_sum"
 TARGET_MFU = {"training": 0.40, "rollout": 0.50}
 ROLLOUT_STEPS = (10, 25)
 TRAIN_SAMPLING_STEPS = 10
+# Kept back from --budget for the torchrun check at the end, besides a model build and two
+# epochs: a process start, imports and the process group's set-up (a guess, not measured).
+DDP_STARTUP_S = 30.0
 # One prompt source: the built-in set has three, and their fractional shares can make a
 # one-prompt epoch draw two prompts, which would change the work per epoch. The text is
 # never encoded (see RandomTextEmbeddings).
@@ -558,13 +572,21 @@ def make_strategies(
 ) -> dict[str, Strategy]:
     """Fresh strategies (empty MARBLE caches), built by the trainer's own factory."""
     return {
-        name: build_strategy(
-            recipe_config(args, shape, run_dir, name, world_size).strategy,
-            trainer.reward_names,
-            seed=0,
-        )
-        for name in STRATEGIES
+        name: make_strategy(args, shape, run_dir, trainer, name, world_size) for name in STRATEGIES
     }
+
+
+def make_strategy(
+    args: argparse.Namespace,
+    shape: Shape,
+    run_dir: Path,
+    trainer: Trainer,
+    name: str,
+    world_size: int = 1,
+) -> Strategy:
+    """One row's fresh strategy (an empty MARBLE cache)."""
+    config = recipe_config(args, shape, run_dir, name, world_size)
+    return build_strategy(config.strategy, trainer.reward_names, seed=0)
 
 
 # ------------------------------------------------------------------------ timing
@@ -585,6 +607,115 @@ def timed(device: torch.device, function: Callable[[], Any]) -> tuple[Any, float
 def peak_rss_gib() -> float:
     """This process's lifetime RSS high-water mark (ru_maxrss is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+# -------------------------------------------------- failures, time budget, results
+Result = TypeVar("Result")
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: first line of the message``: enough to tell an OOM from a bug in a table."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
+
+
+def attempt(function: Callable[[], Result]) -> tuple[Result | None, str | None]:
+    """``(result, None)``, or ``(None, description)`` when ``function`` raised.
+
+    One stage's or row's failure (an OOM at the released sizes, or any other error) is
+    recorded where it happened and the run goes on: a lease must not lose the other rows.
+    The GPU cache is emptied after the exception (and the tensors its traceback held) is
+    gone, so that the next row starts from the memory an OOM left behind.
+    """
+    try:
+        return function(), None
+    except Exception as error:
+        failure = describe_error(error)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return None, failure
+
+
+@dataclass
+class Budget:
+    """The run's wall-clock allowance (--budget): work that would overrun it is not started,
+    and the first thing left out is recorded as the reason the run stopped early."""
+
+    seconds: float = math.inf
+    started: float = field(default_factory=time.perf_counter)
+    stopped: str | None = None
+
+    def remaining(self) -> float:
+        return self.seconds - (time.perf_counter() - self.started)
+
+    def allows(self, what: str, estimate_s: float = 0.0, reserve_s: float = 0.0) -> bool:
+        """Whether ``what`` (about ``estimate_s``) fits, keeping ``reserve_s`` for later."""
+        left = self.remaining()
+        if estimate_s + reserve_s < left:
+            return True
+        if self.stopped is None:
+            self.stopped = (
+                f"{what} not started: about {estimate_s:.0f} s needed and {reserve_s:.0f} s "
+                f"kept for the torchrun check, {max(0.0, left):.0f} s left of the "
+                f"{self.seconds:.0f} s budget"
+            )
+        return False
+
+
+def ddp_reserve(args: argparse.Namespace, build_s: float, longest_epoch_s: float) -> float:
+    """Seconds kept back for the torchrun check at the end: a process start, a model build
+    and two epochs, at most its timeout; nothing when it is skipped."""
+    if args.skip_ddp:
+        return 0.0
+    return min(float(args.ddp_timeout), DDP_STARTUP_S + build_s + 2 * longest_epoch_s)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` in one rename: a run killed mid-write leaves the previous version."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+class Report:
+    """The payload, rewritten as JSON and markdown after every stage and training epoch, so
+    that a run killed at a lease's limit still returns what it measured."""
+
+    def __init__(self, stem: Path, payload: dict[str, Any], budget: Budget) -> None:
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        self.json_path, self.md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
+        self.payload = payload
+        self.budget = budget
+
+    def stage(self, text: str) -> None:
+        """Log the stage with the run's clock, and record it as where the run got to."""
+        print(f"[{time.perf_counter() - self.budget.started:6.1f} s] {text}", flush=True)
+        self.payload["stage"] = text
+        self.write()
+
+    def run_stage(self, name: str, function: Callable[[], Result]) -> Result | None:
+        """One stage whose failure is recorded under ``failures`` instead of ending the run."""
+        self.stage(name)
+        result, failure = attempt(function)
+        if failure is not None:
+            self.payload["failures"][name] = failure
+            print(f"  {name} FAILED: {failure}", flush=True)
+        self.write()
+        return result
+
+    def measure(self, key: str, name: str, function: Callable[[], Any]) -> None:
+        """Stage ``name`` into ``payload[key]``, unless the budget has no time left."""
+        if self.budget.allows(name):
+            self.payload[key] = self.run_stage(name, function)
+
+    def write(self) -> None:
+        self.payload["stopped_early"] = self.budget.stopped
+        self.payload["total_seconds"] = time.perf_counter() - self.budget.started
+        payload = with_summaries(self.payload)
+        write_atomically(
+            self.json_path, json.dumps(_compact(payload), indent=2, default=str) + "\n"
+        )
+        write_atomically(self.md_path, render_markdown(payload).rstrip() + "\n")
 
 
 def count_flops(function: Callable[[], Any]) -> dict[str, Any]:
@@ -621,9 +752,10 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int) -> 
 
 # ----------------------------------------------------------------------- rollout
 def measure_rollout(
-    trainer: Trainer, args: argparse.Namespace, shape: Shape, peak_tflops: float
+    trainer: Trainer, args: argparse.Namespace, shape: Shape, peak_tflops: float | None
 ) -> dict[str, Any]:
-    """Images/s of ``rollout`` (sampler + VAE decode) at each step count, and its MFU."""
+    """Images/s of ``rollout`` (sampler + VAE decode) at each step count, and its MFU (None
+    without a measured peak)."""
     policy = trainer.policy
     device = trainer.world.device
     embeds = policy.encode_prompts(["x"] * args.batch, shape.text_tokens)
@@ -661,19 +793,15 @@ def measure_rollout(
 
         sample()  # warm-up: kernel selection, allocator
         seconds = statistics.median(timed(device, sample)[1] for _ in range(args.repeats))
-        flops = steps * forward["flops"] + decode["flops"]  # one batch
+        tflops = (steps * forward["flops"] + decode["flops"]) / seconds / 1e12  # one batch
         results["steps"][str(steps)] = {
             "seconds_per_batch": seconds,
             "images_per_s": args.batch / seconds,
-            "tflops": flops / seconds / 1e12,
-            "mfu": flops / seconds / 1e12 / peak_tflops,
+            "tflops": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops else None,
             "decode_share": results["vae_decode"]["seconds_per_batch"] / seconds,
         }
-        print(
-            f"  rollout {steps} steps: {args.batch / seconds:.3g} images/s, "
-            f"MFU {100 * results['steps'][str(steps)]['mfu']:.1f}%",
-            flush=True,
-        )
+        print(f"  rollout {steps} steps: {args.batch / seconds:.3g} images/s", flush=True)
     return results
 
 
@@ -783,21 +911,31 @@ def run_epoch(
     }
 
 
-def measure_training(
+@dataclass
+class ModeRows:
+    """One checkpointing mode's rows: strategies, gradient engines, epochs and failures."""
+
+    checkpointing: bool
+    strategies: dict[str, Strategy]
+    engines: dict[str, StepGradients]
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return f"checkpointing_{'on' if self.checkpointing else 'off'}"
+
+
+def mode_rows(
     trainer: Trainer, args: argparse.Namespace, shape: Shape, run_dir: Path
-) -> dict[str, list[dict[str, Any]]]:
-    """Every strategy, interleaved per epoch in rotated order, per checkpointing mode."""
-    timer = StepTimer(trainer)
-    names = list(STRATEGIES)
+) -> list[ModeRows]:
+    """Each measured checkpointing mode with fresh strategies and both gradient engines."""
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
-    epochs: dict[str, list[dict[str, Any]]] = {}
-    total = len(modes) * (1 + args.rounds) * len(names)
-    with tqdm(total=total, desc="training epochs", file=sys.stdout) as bar:
-        for checkpointing in modes:
-            mode = f"checkpointing_{'on' if checkpointing else 'off'}"
-            set_checkpointing(trainer, checkpointing)
-            strategies = make_strategies(args, shape, run_dir, trainer, 1)
-            engines = {
+    return [
+        ModeRows(
+            checkpointing,
+            make_strategies(args, shape, run_dir, trainer, 1),
+            {
                 engine: StepGradients(
                     trainer.policy.transformer,
                     trainer.parameters,
@@ -805,82 +943,187 @@ def measure_training(
                     compute_dtype=getattr(torch, args.dtype),
                 )
                 for engine in ("auto", "batched")
-            }
-            failed: dict[str, str] = {}
-            epochs[mode] = []
-            for round_index in range(1 + args.rounds):  # round 0: warm-up, not summarized
-                shift = round_index % len(names)
-                for name in names[shift:] + names[:shift]:
-                    bar.set_postfix_str(f"{mode} {name}")
+            },
+        )
+        for checkpointing in modes
+    ]
+
+
+def rotated(items: list, shift: int) -> list:
+    return items[shift % len(items) :] + items[: shift % len(items)]
+
+
+def measure_training(
+    trainer: Trainer,
+    args: argparse.Namespace,
+    shape: Shape,
+    run_dir: Path,
+    report: Report,
+    build_s: float,
+) -> None:
+    """Every row under every checkpointing mode, interleaved per epoch in rotated order,
+    round after round until ``args.rounds`` or the budget; each epoch (or a row's failure)
+    goes into the report as it ends.
+
+    Round 0 is the warm-up. At round 1 the amortized rows get a fresh cache, so that
+    their measured window starts with a solve step (see ``summarize_row``).
+    """
+    timer = StepTimer(trainer)
+    names = list(STRATEGIES)
+    modes = mode_rows(trainer, args, shape, run_dir)
+    for mode in modes:
+        report.payload["training"][mode.name] = {"epochs": mode.epochs}
+    round_s = 0.0  # the last round's seconds: the estimate of the next one
+    total = len(modes) * (1 + args.rounds) * len(names)
+    with tqdm(total=total, desc="training epochs", file=sys.stdout) as bar:
+        for round_index in range(1 + args.rounds):
+            epochs = (e for mode in modes for e in mode.epochs if "epoch_s" in e)
+            reserve = ddp_reserve(args, build_s, max((e["epoch_s"] for e in epochs), default=0))
+            if not report.budget.allows(f"training round {round_index}", round_s, reserve):
+                break
+            if round_index == 1:
+                for mode in modes:
+                    empty_amortized_caches(mode, args, shape, run_dir, trainer)
+            started = time.perf_counter()
+            for mode in rotated(modes, round_index):
+                set_checkpointing(trainer, mode.checkpointing)
+                for name in rotated(names, round_index):
+                    bar.set_postfix_str(f"{mode.name} {name}")
                     bar.update(1)
-                    if name in failed:
-                        continue
-                    try:
-                        gradients = engines[ROWS[name][1]]
-                        epoch = run_epoch(trainer, timer, strategies[name], gradients)
-                    except torch.OutOfMemoryError as error:
-                        failed[name] = f"out of memory: {str(error).splitlines()[0]}"
-                        trainer.optimizer.zero_grad(set_to_none=True)
-                        torch.cuda.empty_cache()
-                        epochs[mode].append({"strategy": name, "error": failed[name]})
-                        continue
-                    epochs[mode].append({"strategy": name, "round": round_index, **epoch})
+                    if name not in mode.failed:
+                        mode.epochs.append(
+                            measure_row_epoch(trainer, timer, mode, name, round_index)
+                        )
+                        report.write()
+            round_s = time.perf_counter() - started
     set_checkpointing(trainer, False)
-    return epochs
+
+
+def empty_amortized_caches(
+    mode: ModeRows, args: argparse.Namespace, shape: Shape, run_dir: Path, trainer: Trainer
+) -> None:
+    """Fresh strategies for the rows that solve every N > 1 steps: with one optimizer step
+    per epoch, their measured window then starts with a solve instead of holding none."""
+    for name, strategy in mode.strategies.items():
+        if strategy.amortizer.period > 1:
+            mode.strategies[name] = make_strategy(args, shape, run_dir, trainer, name)
+
+
+def measure_row_epoch(
+    trainer: Trainer, timer: StepTimer, mode: ModeRows, name: str, round_index: int
+) -> dict[str, Any]:
+    """One epoch of row ``name``; a failure (any exception) is that row's and ends it."""
+    strategy = mode.strategies[name]
+    gradients = mode.engines[ROWS[name][1]]
+    epoch, failure = attempt(lambda: run_epoch(trainer, timer, strategy, gradients))
+    row = {"strategy": name, "round": round_index, "period": strategy.amortizer.period}
+    if failure is None:
+        return {**row, **epoch}
+    mode.failed.add(name)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    print(f"  {mode.name} {name} FAILED: {failure}", flush=True)
+    return {**row, "error": failure}
 
 
 def summarize_training(
-    epochs: list[dict[str, Any]], flops: dict[str, Any], peak_tflops: float
+    epochs: list[dict[str, Any]], flops: dict[str, Any] | None, peak_tflops: float | None
 ) -> dict[str, dict[str, Any]]:
-    """Per strategy over the measured rounds: seconds, MFU, memory, solved steps."""
+    """Per row over the measured rounds: seconds, MFU, memory, solved steps."""
     summary: dict[str, dict[str, Any]] = {}
-    useful = flops["combined_per_sample_timestep"]
     for name in STRATEGIES:
         mine = [e for e in epochs if e["strategy"] == name]
         errors = [e["error"] for e in mine if "error" in e]
         measured = [e for e in mine if "error" not in e and e["round"] > 0]
-        if errors or not measured:
-            summary[name] = {"error": errors[0] if errors else "no measured epoch"}
-            continue
-        steps = [step for e in measured for step in e["steps"]]
-        train_s = sum(step["seconds"] for step in steps)
-        sample_timesteps = sum(step["sample_timesteps"] for step in steps)
-        per_sample_timestep = train_s / sample_timesteps
-        solved = [step["seconds"] for step in steps if step["solved"]]
-        cached = [step["seconds"] for step in steps if not step["solved"]]
-        summary[name] = {
-            "epochs": len(measured),
-            "optimizer_steps": len(steps),
-            "solved_steps": len(solved),
-            "engines": sorted({step["engine"] for step in steps if step["engine"]}),
-            "fallbacks": sum(1 for step in steps if step["fallback"]),
-            "sample_timesteps_per_step": sample_timesteps / len(steps),
-            "s_per_optimizer_step": train_s / len(steps),
-            "s_per_sample_timestep": per_sample_timestep,
-            "median_solved_step_s": statistics.median(solved) if solved else None,
-            "median_cached_step_s": statistics.median(cached) if cached else None,
-            "epoch_s": statistics.mean(e["epoch_s"] for e in measured),
-            "rollout_s": statistics.mean(e["rollout_s"] for e in measured),
-            "reward_s": statistics.mean(e["reward_s"] for e in measured),
-            "training_tflops_useful": useful / per_sample_timestep / 1e12,
-            "training_mfu": useful / per_sample_timestep / 1e12 / peak_tflops,
-            "peak_memory_gib": max(e["peak_memory_gib"] for e in measured),
-            "resident_gib": measured[0]["resident_gib"],
-            "silent_objectives": sum(len(e["objectives_without_signal"]) for e in measured),
-        }
+        if errors or not any(e["steps"] for e in measured):
+            summary[name] = {"error": errors[0] if errors else "no measured optimizer step"}
+        else:
+            summary[name] = summarize_row(measured, flops, peak_tflops)
     return summary
 
 
-def training_ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Speed (baseline time / strategy time, > 1 faster) and memory against the weighted sum."""
+def amortized_cycle(period: int, solved: list[float], cached: list[float]) -> float | None:
+    """Mean seconds per optimizer step over one N-step cycle, ``(t_solve + (N-1) t_cached) / N``
+    from measured step times; None for an every-step row or when either kind is missing."""
+    if period <= 1 or not solved or not cached:
+        return None
+    return (statistics.mean(solved) + (period - 1) * statistics.mean(cached)) / period
+
+
+def summarize_row(
+    measured: list[dict[str, Any]], flops: dict[str, Any] | None, peak_tflops: float | None
+) -> dict[str, Any]:
+    """One row's measured epochs. An amortized row (N > 1) reports the N-step cycle of its
+    own solve and cached steps: its window of a few rounds holds far more than 1/N solves
+    (the first measured step is one), so the window's mean would overstate its step time."""
+    steps = [step for e in measured for step in e["steps"]]
+    solved = [step["seconds"] for step in steps if step["solved"]]
+    cached = [step["seconds"] for step in steps if not step["solved"]]
+    period = measured[0]["period"]
+    window_step_s = sum(solved + cached) / len(steps)
+    window_epoch_s = statistics.mean(e["epoch_s"] for e in measured)
+    cycle_s = amortized_cycle(period, solved, cached)
+    step_s = window_step_s if cycle_s is None else cycle_s
+    outside_steps_s = statistics.mean(e["epoch_s"] - e["train_s"] for e in measured)
+    steps_per_epoch = len(steps) / len(measured)
+    epoch_s = window_epoch_s if cycle_s is None else outside_steps_s + steps_per_epoch * cycle_s
+    sample_timesteps = sum(step["sample_timesteps"] for step in steps) / len(steps)
+    useful = flops["combined_per_sample_timestep"] if flops else None
+    tflops = useful * sample_timesteps / step_s / 1e12 if useful else None
+    return {
+        "epochs": len(measured),
+        "optimizer_steps": len(steps),
+        "solved_steps": len(solved),
+        "solve_period": period,
+        "throughput_basis": throughput_basis(period, cycle_s),
+        "engines": sorted({step["engine"] for step in steps if step["engine"]}),
+        "fallbacks": sum(1 for step in steps if step["fallback"]),
+        "sample_timesteps_per_step": sample_timesteps,
+        "s_per_optimizer_step": step_s,
+        "s_per_sample_timestep": step_s / sample_timesteps,
+        "window_s_per_optimizer_step": window_step_s,
+        "mean_solved_step_s": statistics.mean(solved) if solved else None,
+        "mean_cached_step_s": statistics.mean(cached) if cached else None,
+        "median_solved_step_s": statistics.median(solved) if solved else None,
+        "median_cached_step_s": statistics.median(cached) if cached else None,
+        "epoch_s": epoch_s,
+        "window_epoch_s": window_epoch_s,
+        "rollout_s": statistics.mean(e["rollout_s"] for e in measured),
+        "reward_s": statistics.mean(e["reward_s"] for e in measured),
+        "training_tflops_useful": tflops,
+        "training_mfu": tflops / peak_tflops if tflops and peak_tflops else None,
+        "peak_memory_gib": max(e["peak_memory_gib"] for e in measured),
+        "resident_gib": measured[0]["resident_gib"],
+        "silent_objectives": sum(len(e["objectives_without_signal"]) for e in measured),
+    }
+
+
+NO_CYCLE = "no cycle: no cached step"
+
+
+def throughput_basis(period: int, cycle_s: float | None) -> str:
+    """What a row's step time is: the window's mean, or the N-step cycle of an amortized row
+    (none without both a solve and a cached step measured)."""
+    if period <= 1:
+        return "window mean"
+    if cycle_s is None:
+        return NO_CYCLE
+    return f"{period}-step cycle"
+
+
+def training_ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Speed (baseline time / row time, > 1 faster) and memory against the weighted sum; an
+    amortized row without its cycle has no speed ratio."""
     base = summary[BASELINE]
-    ratios: dict[str, dict[str, float]] = {}
+    ratios: dict[str, dict[str, float | None]] = {}
     for name, item in summary.items():
         if name == BASELINE or "error" in item or "error" in base:
             continue
+        has_speed = item["throughput_basis"] != NO_CYCLE
+        step_ratio = base["s_per_optimizer_step"] / item["s_per_optimizer_step"]
+        epoch_ratio = base["epoch_s"] / item["epoch_s"]
         ratios[name] = {
-            "train_throughput": base["s_per_optimizer_step"] / item["s_per_optimizer_step"],
-            "epoch_throughput": base["epoch_s"] / item["epoch_s"],
+            "train_throughput": step_ratio if has_speed else None,
+            "epoch_throughput": epoch_ratio if has_speed else None,
             "peak_memory": item["peak_memory_gib"] / base["peak_memory_gib"],
         }
     return ratios
@@ -974,11 +1217,25 @@ def run_ddp_check(args: argparse.Namespace, device: torch.device) -> dict[str, A
             str(report_path),
             *child_arguments(args, device),
         ]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=args.ddp_timeout)
+        try:
+            result = subprocess.run(
+                command, capture_output=True, text=True, timeout=args.ddp_timeout
+            )
+        except subprocess.TimeoutExpired as error:
+            output = _text(error.stdout) + _text(error.stderr)
+            tail = f"timed out after {args.ddp_timeout} s (--ddp-timeout)\n{output[-2000:]}"
+            return {"ok": False, "exit_code": None, "output_tail": tail}
         if result.returncode != 0 or not report_path.exists():
             tail = (result.stdout + result.stderr)[-2000:]
             return {"ok": False, "exit_code": result.returncode, "output_tail": tail}
         return {"ok": True, **json.loads(report_path.read_text())}
+
+
+def _text(output: str | bytes | None) -> str:
+    """A timed-out child's captured output: bytes even under ``text=True``, or None."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
 
 
 def child_arguments(args: argparse.Namespace, device: torch.device) -> list[str]:
@@ -1019,11 +1276,13 @@ def device_info(device: torch.device) -> dict[str, Any]:
 def versions() -> dict[str, str]:
     import diffusers
     import peft
+    import transformers
 
     return {
         "torch": torch.__version__,
         "diffusers": diffusers.__version__,
         "peft": peft.__version__,
+        "transformers": transformers.__version__,
         "python": sys.version.split()[0],
     }
 
@@ -1038,10 +1297,11 @@ def targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
             ("marble_amortized", "throughput_target", "throughput_paper"),
             ("marble_every_step", "throughput_target", "throughput_paper"),
         ):
+            basis = block["summary"][name].get("throughput_basis", "not measured")
             rows.append(
                 {
                     "quantity": f"{LABELS[name]}: whole-training throughput vs weighted sum "
-                    f"({mode.replace('_', ' ')})",
+                    f"({mode.replace('_', ' ')}; {basis})",
                     "target": f">= {PAPER[name][key]:.2f}x",
                     "paper": f"{PAPER[name][paper]:.2f}x",
                     "value": ratios.get(name, {}).get("epoch_throughput"),
@@ -1068,7 +1328,7 @@ def targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
                     "at_least": TARGET_MFU["training"],
                 }
             )
-    for steps, item in payload["rollout"]["steps"].items():
+    for steps, item in (payload["rollout"] or {}).get("steps", {}).items():
         rows.append(
             {
                 "quantity": f"rollout MFU, {steps} sampler steps",
@@ -1100,8 +1360,25 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}x"
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
-    device, shape, setup = payload["device"], payload["shape"], payload["setup"]
+    """The report, from whatever the payload holds so far (a stopped run's too)."""
+    sections = (
+        _header_lines(payload),
+        _setup_lines(payload),
+        _rollout_lines(payload),
+        _training_lines(payload),
+        _target_lines(payload),
+        _ddp_lines(payload),
+    )
+    return "\n".join(line for section in sections for line in section)
+
+
+def _header_lines(payload: dict[str, Any]) -> list[str]:
+    device, shape = payload["device"], payload["shape"]
     lines = [f"# GPU benchmark: {shape['name']} shape on {device['name']}", ""]
     if payload["smoke_run"]:
         label = payload["smoke_label"]
@@ -1111,6 +1388,22 @@ def render_markdown(payload: dict[str, Any]) -> str:
             "MFU or memory at the benchmark's settings. The targets are not assessed.",
             "",
         ]
+    if not payload["finished"]:
+        lines += [
+            f"> **Unfinished run.** Last written during the stage `{payload['stage']}`: the "
+            "process was still running, or was killed or crashed there. Below is what it had "
+            "measured by then.",
+            "",
+        ]
+    if payload["stopped_early"]:
+        lines += [
+            f"> **Stopped early by the time budget** ({payload['budget_s']:.0f} s): "
+            f"{payload['stopped_early']}. The figures come from the rounds that ran.",
+            "",
+        ]
+    if payload["failures"]:
+        failed = "; ".join(f"{stage}: {error}" for stage, error in payload["failures"].items())
+        lines += [f"> **Failed stages** (the run went on without them): {failed}", ""]
     driver = device.get("driver") or "n/a"
     lines += [
         f"Device: {device['name']} ({device['type']}; driver {driver}); "
@@ -1118,6 +1411,15 @@ def render_markdown(payload: dict[str, Any]) -> str:
         + f"; git {payload['source']['git_head']}; {payload['date']}; "
         f"{payload['total_seconds']:.0f} s in all.",
         "",
+    ]
+    return lines
+
+
+def _setup_lines(payload: dict[str, Any]) -> list[str]:
+    shape, setup = payload["shape"], payload["setup"]
+    if setup is None:
+        return ["## Setup", "", "The model was not built (see the failed stages).", ""]
+    lines = [
         "## Setup",
         "",
         f"- Model: `{setup['transformer_class']}` {shape['name']} shape, random weights "
@@ -1132,24 +1434,38 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "settings from `configs/sd35m_marble_5r.yaml`.",
         f"- Batch {setup['batch']} per GPU, gradient accumulation {setup['accumulation']}; "
         f"training epochs sample with {setup['train_sampling_steps']} steps and train on "
-        f"{setup['timesteps_per_sample']} timesteps per sample; {setup['rounds']} measured "
-        "rounds after one warm-up round, strategies interleaved per epoch in rotated order.",
-        "",
-        f"Peak: {payload['peak_matmul']['tflops']:.4g} TFLOP/s measured by a "
-        f"{payload['peak_matmul']['size']}^2 {payload['peak_matmul']['dtype']} matmul; every "
-        "MFU below is against it. FLOPs: `FlopCounterMode` on one forward / one training "
-        "pass"
-        + (
-            ""
-            if payload["flops"]["attention_flops_counted"]
-            else " (attention kernels not counted on this device)"
-        )
-        + ".",
-        "",
-        "## Rollout",
+        f"{setup.get('timesteps_per_sample') or '-'} timesteps per sample, one optimizer step "
+        f"per epoch; up to {setup['rounds']} measured rounds after one warm-up round, rows "
+        "and checkpointing modes interleaved per epoch in rotated order.",
         "",
     ]
-    rollout_rows = [
+    peak, flops = payload["peak_matmul"], payload["flops"]
+    if peak is None:
+        lines.append("Peak: not measured, so no MFU below.")
+    else:
+        lines.append(
+            f"Peak: {peak['tflops']:.4g} TFLOP/s measured by a {peak['size']}^2 "
+            f"{peak['dtype']} matmul; every MFU below is against it."
+        )
+    if flops is None:
+        lines[-1] += " FLOPs: not counted, so no MFU below."
+    else:
+        lines[-1] += (
+            " FLOPs: `FlopCounterMode` on one forward / one training pass"
+            + (
+                ""
+                if flops["attention_flops_counted"]
+                else " (attention kernels not counted on this device)"
+            )
+            + "."
+        )
+    return [*lines, ""]
+
+
+def _rollout_lines(payload: dict[str, Any]) -> list[str]:
+    if payload["rollout"] is None:
+        return ["## Rollout", "", "Not measured.", ""]
+    rows = [
         [
             steps,
             _num(item["images_per_s"]),
@@ -1160,55 +1476,50 @@ def render_markdown(payload: dict[str, Any]) -> str:
         ]
         for steps, item in payload["rollout"]["steps"].items()
     ]
-    lines += [
-        markdown_table(
-            ["sampler steps", "images/s", "s per batch", "TFLOP/s", "MFU", "VAE decode share"],
-            rollout_rows,
-        ),
-        "",
-        "## Training",
-        "",
+    header = ["sampler steps", "images/s", "s per batch", "TFLOP/s", "MFU", "VAE decode share"]
+    return ["## Rollout", "", markdown_table(header, rows), ""]
+
+
+def _training_row(name: str, item: dict[str, Any], ratios: dict[str, Any]) -> list[str]:
+    if "error" in item:
+        return [LABELS[name], item["error"], *["-"] * 8]
+    same = {"train_throughput": 1.0, "epoch_throughput": 1.0, "peak_memory": 1.0}
+    ratio = same if name == BASELINE else ratios.get(name, {})
+    return [
+        LABELS[name],
+        _num(item["s_per_optimizer_step"]),
+        _num(item["s_per_sample_timestep"]),
+        _pct(item["training_mfu"]),
+        f"{_num(item['epoch_s'])} ({_num(item['rollout_s'])} + {_num(item['reward_s'])})",
+        _num(ratio.get("train_throughput")),
+        _num(ratio.get("epoch_throughput")),
+        f"{item['peak_memory_gib']:.2f} ({_ratio(ratio.get('peak_memory'))})",
+        f"{item['solved_steps']}/{item['optimizer_steps']}",
+        item["throughput_basis"],
+    ]
+
+
+def _training_lines(payload: dict[str, Any]) -> list[str]:
+    lines = ["## Training", ""]
+    if not payload["training"]:
+        lines += ["Not measured.", ""]
+    header = [
+        "strategy",
+        "s / optimizer step",
+        "s / (sample, timestep)",
+        "training MFU",
+        "epoch s (rollout + rewards in it)",
+        "x train throughput",
+        "x whole-training throughput",
+        "peak memory GiB (x)",
+        "solved / measured steps",
+        "time per step from",
     ]
     for mode, block in payload["training"].items():
-        rows = []
-        for name, item in block["summary"].items():
-            if "error" in item:
-                rows.append([LABELS[name], item["error"], *["-"] * 7])
-                continue
-            ratio = block["ratios"].get(name, {})
-            rows.append(
-                [
-                    LABELS[name],
-                    _num(item["s_per_optimizer_step"]),
-                    _num(item["s_per_sample_timestep"]),
-                    _pct(item["training_mfu"]),
-                    f"{_num(item['epoch_s'])} ({_num(item['rollout_s'])} + "
-                    f"{_num(item['reward_s'])})",
-                    _num(ratio.get("train_throughput", 1.0)),
-                    _num(ratio.get("epoch_throughput", 1.0)),
-                    f"{item['peak_memory_gib']:.2f} ({_num(ratio.get('peak_memory', 1.0))}x)",
-                    f"{item['solved_steps']}/{item['optimizer_steps']}",
-                ]
-            )
-        lines += [
-            f"### {mode.replace('_', ' ')}",
-            "",
-            markdown_table(
-                [
-                    "strategy",
-                    "s / optimizer step",
-                    "s / (sample, timestep)",
-                    "training MFU",
-                    "epoch s (rollout + rewards in it)",
-                    "x train throughput",
-                    "x whole-training throughput",
-                    "peak memory GiB (x)",
-                    "solved steps",
-                ],
-                rows,
-            ),
-            "",
+        rows = [
+            _training_row(name, item, block["ratios"]) for name, item in block["summary"].items()
         ]
+        lines += [f"### {mode.replace('_', ' ')}", "", markdown_table(header, rows), ""]
     memory = "`torch.cuda.max_memory_allocated` over the optimizer steps (the trainer resets it"
     if payload["smoke_run"]:
         memory = "process peak RSS (`ru_maxrss`, lifetime high-water: not per strategy"
@@ -1219,39 +1530,150 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "Whole-training throughput: one epoch = rollout, rewards, advantages, the optimizer "
         "steps and the old-adapter update.",
         "",
-        "## Targets",
-        "",
-        markdown_table(
-            ["quantity", "target", "paper", "this run", "status"],
-            [
-                [
-                    row["quantity"],
-                    row["target"],
-                    row["paper"],
-                    _pct(row["value"]) if "MFU" in row["quantity"] else _num(row["value"]) + "x",
-                    row["status"],
-                ]
-                for row in payload["targets"]
-            ],
-        ),
-        "",
-        "## Distributed path",
+        "Time per step: the mean over the measured window, except for the amortized rows "
+        "(MARBLE solves every N = 10 steps). With one optimizer step per epoch their window "
+        "of a few rounds cannot hold 1 solve in 10 steps, so their cache is emptied at the "
+        "first measured round (the window starts with a solve) and their step time is the "
+        "N-step cycle of their own measured steps, (mean solve step + 9 x mean cached step) "
+        "/ 10; epoch time and MFU follow from it. The window's own mean is in the JSON "
+        "(`window_s_per_optimizer_step`). With no cached step measured (one measured round) an "
+        "amortized row has no cycle and no throughput ratio; its other figures are then "
+        "those of its solve steps.",
         "",
     ]
+    return lines
+
+
+def _target_lines(payload: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            row["quantity"],
+            row["target"],
+            row["paper"],
+            _pct(row["value"]) if "MFU" in row["quantity"] else _ratio(row["value"]),
+            row["status"],
+        ]
+        for row in payload["targets"]
+    ]
+    header = ["quantity", "target", "paper", "this run", "status"]
+    table = markdown_table(header, rows) if rows else "Nothing measured to compare."
+    return ["## Targets", "", table, ""]
+
+
+def _ddp_lines(payload: dict[str, Any]) -> list[str]:
+    lines = ["## Distributed path", ""]
     ddp = payload["ddp"]
     if ddp is None:
-        lines.append("Not run (--skip-ddp).")
-    elif ddp["ok"]:
-        calls = ", ".join(f"{count} {op}" for op, count in sorted(ddp["collectives"].items()))
-        lines.append(
-            f"`torchrun --nproc_per_node 1`: backend {ddp['backend']}, world size "
-            f"{ddp['world_size']}; a weighted-sum and a MARBLE full-solve epoch ran with "
-            f"{calls} through the process group; parameters finite: "
-            f"{ddp['parameters_finite']}."
-        )
-    else:
-        lines.append(f"FAILED (exit {ddp['exit_code']}):\n\n```\n{ddp['output_tail']}\n```")
-    return "\n".join(lines)
+        return [*lines, "Not reached: it runs last."]
+    if "skipped" in ddp:
+        return [*lines, f"Not run: {ddp['skipped']}."]
+    if not ddp["ok"]:
+        return [*lines, f"FAILED (exit {ddp['exit_code']}):\n\n```\n{ddp['output_tail']}\n```"]
+    calls = ", ".join(f"{count} {op}" for op, count in sorted(ddp["collectives"].items()))
+    return [
+        *lines,
+        f"`torchrun --nproc_per_node 1`: backend {ddp['backend']}, world size "
+        f"{ddp['world_size']}; a weighted-sum and a MARBLE full-solve epoch ran with "
+        f"{calls} through the process group; parameters finite: "
+        f"{ddp['parameters_finite']}.",
+    ]
+
+
+# ------------------------------------------------------------------------ results
+def with_summaries(payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload plus what is computed from its raw epochs: per-row summaries, ratios
+    against the weighted sum, the timesteps per sample and the targets."""
+    peak = (payload["peak_matmul"] or {}).get("tflops")
+    training = {}
+    for mode, block in payload["training"].items():
+        summary = summarize_training(block["epochs"], payload["flops"], peak)
+        training[mode] = {
+            "summary": summary,
+            "ratios": training_ratios(summary),
+            "epochs": block["epochs"],
+        }
+    derived = {**payload, "training": training}
+    steps = [s for b in training.values() for e in b["epochs"] for s in e.get("steps", [])]
+    if payload["setup"] is not None and steps:
+        samples = payload["setup"]["batch"] * payload["setup"]["accumulation"]
+        timesteps = steps[0]["sample_timesteps"] // samples
+        derived["setup"] = {**payload["setup"], "timesteps_per_sample": timesteps}
+    derived["targets"] = targets(derived)
+    return derived
+
+
+def failures(payload: dict[str, Any]) -> list[str]:
+    """Every failed stage and row of the run, one line each."""
+    rows = [
+        f"{mode} {epoch['strategy']}: {epoch['error']}"
+        for mode, block in payload["training"].items()
+        for epoch in block["epochs"]
+        if "error" in epoch
+    ]
+    return [f"{stage}: {error}" for stage, error in payload["failures"].items()] + rows
+
+
+def new_payload(
+    args: argparse.Namespace, argv: list[str] | None, device: torch.device, shape: Shape
+) -> dict[str, Any]:
+    """The run's record before anything is measured; stages fill it in."""
+    return {
+        "benchmark": "gpu",
+        "smoke_run": device.type != "cuda" or args.quick,
+        "smoke_label": "CPU smoke run" if device.type != "cuda" else "quick smoke run",
+        "finished": False,
+        "stage": "starting",
+        "stopped_early": None,
+        "budget_s": args.budget,
+        "failures": {},
+        "device": device_info(device),
+        "versions": versions(),
+        "machine": machine_info(),
+        "source": source_state(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "arguments": sys.argv[1:] if argv is None else argv,
+        "shape": shape.describe(),
+        "setup": None,
+        "peak_matmul": None,
+        "flops": None,
+        "rollout": None,
+        "training": {},
+        "ddp": {"skipped": "--skip-ddp"} if args.skip_ddp else None,
+        "total_seconds": 0.0,
+    }
+
+
+def describe_setup(trainer: Trainer, args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
+    """What was built and how it is trained: model sizes, LoRA, batch, stand-ins."""
+    transformer = trainer.policy.transformer
+    return {
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "accumulation": args.accumulation,
+        "train_sampling_steps": args.train_sampling_steps,
+        "timesteps_per_sample": None,  # read off the first measured step
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "lora": {
+            "rank": trainer.config.lora.rank,
+            "alpha": trainer.config.lora.alpha,
+            "targets": list(trainer.policy.lora.target_modules),
+            "source": lora_source(shape),
+        },
+        "trainable_parameters": sum(p.numel() for p in trainer.parameters),
+        "transformer_parameters": sum(
+            p.numel() for n, p in transformer.named_parameters() if "lora_" not in n
+        ),
+        "vae_parameters": sum(p.numel() for p in trainer.policy.pipeline.vae.parameters()),
+        "transformer_class": type(transformer).__name__,
+        "vae_class": type(trainer.policy.pipeline.vae).__name__,
+        "text_embeddings": trainer.policy.encode_prompts.describe(),
+        "rewards": (
+            f"K = {len(STANDIN_REWARDS)} cheap stand-in image statistics "
+            f"({', '.join(STANDIN_REWARDS)}), not reward models: they time the loop, "
+            "not the scoring of PickScore, OCR or GenEval."
+        ),
+    }
 
 
 # -------------------------------------------------------------------------- main
@@ -1280,10 +1702,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "on, no torchrun check (never a result)",
     )
     parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for the whole run: no stage or training round is started that would "
+        "overrun it (time is kept for the torchrun check); the results say what was left out",
+    )
+    parser.add_argument("--strict", action="store_true", help="exit 1 when any stage or row failed")
+    parser.add_argument(
         "--threads", type=int, default=THREADS, help="CPU runs: torch threads (shared-VM default)"
     )
     parser.add_argument("--skip-ddp", action="store_true")
-    parser.add_argument("--ddp-timeout", type=int, default=600)
+    parser.add_argument("--ddp-timeout", type=int, default=600, help="seconds (default 600)")
     parser.add_argument("--out", type=Path, help=f"default {GPU_RESULTS} (CPU: {CPU_RESULTS})")
     parser.add_argument("--ddp-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1315,97 +1744,73 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def measure_in_process(
+    args: argparse.Namespace, shape: Shape, device: torch.device, run_dir: Path, report: Report
+) -> None:
+    """Every stage that runs on this process's trainer, in order, each within the budget.
+    The trainer is gone when this returns, so the torchrun check after it has the GPU."""
+    started = time.perf_counter()
+    print(f"building the {shape.name} model on {device} ({args.dtype})", flush=True)
+    world = World(rank=0, size=1, device=device)
+    built = report.run_stage("model build", lambda: build_trainer(args, shape, world, run_dir))
+    if built is None:
+        return
+    trainer, _ = built
+    build_s = time.perf_counter() - started
+    report.payload["setup"] = describe_setup(trainer, args, shape)
+    reserve = ddp_reserve(args, build_s, 0.0)
+    dtype = getattr(torch, args.dtype)
+    report.measure(
+        "peak_matmul", "matmul peak", lambda: measure_matmul_peak(device, dtype, shape.matmul_size)
+    )
+    report.measure("flops", "training FLOPs", lambda: training_pass_flops(trainer, args, shape))
+    peak = (report.payload["peak_matmul"] or {}).get("tflops")
+    report.measure("rollout", "rollout", lambda: measure_rollout(trainer, args, shape, peak))
+    if report.budget.allows("training", reserve_s=reserve):
+        report.run_stage(
+            "training", lambda: measure_training(trainer, args, shape, run_dir, report, build_s)
+        )
+
+
+def run_ddp_stage(args: argparse.Namespace, device: torch.device, report: Report) -> None:
+    """The torchrun check, last: it needs no result of the others, and a hang or a failure
+    there cannot cost them."""
+    if args.skip_ddp:
+        return
+    if not report.budget.allows("the torchrun check"):
+        report.payload["ddp"] = {"skipped": "no time left in the budget"}
+        return
+    stage = "torchrun check"
+    result = report.run_stage(stage, lambda: run_ddp_check(args, device))
+    failure = report.payload["failures"].get(stage)
+    report.payload["ddp"] = result or {"ok": False, "exit_code": None, "output_tail": failure}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.ddp_child:
         return ddp_child(args)
-    started = time.perf_counter()
+    budget = Budget(math.inf if args.budget is None else args.budget)
     device = torch.device(args.device)
     shape = SHAPES[args.shape]
     out = args.out or (GPU_RESULTS if device.type == "cuda" else CPU_RESULTS)
-
-    def stage(text: str) -> None:
-        print(f"[{time.perf_counter() - started:6.1f} s] {text}", flush=True)
-
-    ddp = None
-    if not args.skip_ddp:  # first, while this process holds no GPU memory
-        stage("DDP check: torchrun --nproc_per_node 1")
-        ddp = run_ddp_check(args, device)
-        stage(f"DDP check {'passed' if ddp['ok'] else 'FAILED'}")
-    stage(f"building the {shape.name} model on {device} ({args.dtype})")
+    payload = new_payload(args, argv, device, shape)
+    report = Report(out / f"{shape.results_name}_{payload['device']['slug']}", payload, budget)
     with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
-        run_dir = Path(tmp)
-        trainer, _ = build_trainer(args, shape, World(rank=0, size=1, device=device), run_dir)
-        dtype = getattr(torch, args.dtype)
-        stage("matmul peak")
-        peak = measure_matmul_peak(device, dtype, shape.matmul_size)
-        stage(f"matmul peak {peak['tflops']:.4g} TFLOP/s; counting training FLOPs")
-        flops = training_pass_flops(trainer, args, shape)
-        stage("rollout")
-        rollout_results = measure_rollout(trainer, args, shape, peak["tflops"])
-        stage("training: strategies interleaved")
-        epochs = measure_training(trainer, args, shape, run_dir)
-        measured = [s for items in epochs.values() for e in items for s in e.get("steps", [])]
-        timesteps = measured[0]["sample_timesteps"] // (args.batch * args.accumulation)
-        transformer = trainer.policy.transformer
-        setup = {
-            "dtype": args.dtype,
-            "batch": args.batch,
-            "accumulation": args.accumulation,
-            "train_sampling_steps": args.train_sampling_steps,
-            "timesteps_per_sample": timesteps,
-            "rounds": args.rounds,
-            "repeats": args.repeats,
-            "lora": {
-                "rank": trainer.config.lora.rank,
-                "alpha": trainer.config.lora.alpha,
-                "targets": list(trainer.policy.lora.target_modules),
-                "source": lora_source(shape),
-            },
-            "trainable_parameters": sum(p.numel() for p in trainer.parameters),
-            "transformer_parameters": sum(
-                p.numel() for n, p in transformer.named_parameters() if "lora_" not in n
-            ),
-            "vae_parameters": sum(p.numel() for p in trainer.policy.pipeline.vae.parameters()),
-            "transformer_class": type(transformer).__name__,
-            "vae_class": type(trainer.policy.pipeline.vae).__name__,
-            "text_embeddings": trainer.policy.encode_prompts.describe(),
-            "rewards": (
-                f"K = {len(STANDIN_REWARDS)} cheap stand-in image statistics "
-                f"({', '.join(STANDIN_REWARDS)}), not reward models: they time the loop, "
-                "not the scoring of PickScore, OCR or GenEval."
-            ),
-        }
-    training = {}
-    for mode, items in epochs.items():
-        summary = summarize_training(items, flops, peak["tflops"])
-        training[mode] = {"summary": summary, "ratios": training_ratios(summary), "epochs": items}
-    payload: dict[str, Any] = {
-        "benchmark": "gpu",
-        "smoke_run": device.type != "cuda" or args.quick,
-        "smoke_label": "CPU smoke run" if device.type != "cuda" else "quick smoke run",
-        "device": device_info(device),
-        "versions": versions(),
-        "machine": machine_info(),
-        "source": source_state(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "arguments": sys.argv[1:] if argv is None else argv,
-        "shape": shape.describe(),
-        "setup": setup,
-        "peak_matmul": peak,
-        "flops": flops,
-        "rollout": rollout_results,
-        "training": training,
-        "ddp": ddp,
-        "total_seconds": time.perf_counter() - started,
-    }
-    payload["targets"] = targets(payload)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{shape.results_name}_{payload['device']['slug']}"
-    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
-    json_path.write_text(json.dumps(_compact(payload), indent=2, default=str) + "\n")
-    md_path.write_text(render_markdown(payload).rstrip() + "\n")
-    stage(f"wrote {json_path} and {md_path}")
+        measure_in_process(args, shape, device, Path(tmp), report)
+    gc.collect()  # the trainer and its callbacks hold each other
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    run_ddp_stage(args, device, report)
+    payload["finished"] = True
+    report.stage(f"done: wrote {report.json_path} and {report.md_path}")
+    if budget.stopped:
+        print(f"stopped early: {budget.stopped}", flush=True)
+    failed = failures(payload)
+    for line in failed:
+        print(f"FAILED {line}", flush=True)
+    if payload["setup"] is None or (args.strict and failed):
+        return 1
     return 0
 
 
