@@ -73,6 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -837,13 +838,31 @@ def training_pass_flops(trainer: Trainer, args: argparse.Namespace, shape: Shape
         accumulate_gradients(stream, trainer.parameters, weights, k)
 
     combined = count_flops(lambda: backward(combined_piece, torch.ones(1, dtype=torch.float64), 1))
-    per_objective = count_flops(lambda: backward(piece, None, count))
+    per_objective, fallbacks = vmap_fallbacks(
+        lambda: count_flops(lambda: backward(piece, None, count))
+    )
     trainer.optimizer.zero_grad(set_to_none=True)
     return {
         "combined_per_sample_timestep": combined["flops"],
         "per_objective_per_sample_timestep": per_objective["flops"],
         "attention_flops_counted": combined["attention_flops"] > 0,
+        "k_backward_vmap_fallbacks": fallbacks,
     }
+
+
+def vmap_fallbacks(function: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``function()``'s result and the ops its vmapped (K-backward) passes ran one row at
+    a time, for want of a batching rule: each such op is a loop over the K objectives
+    inside the batched backward (on the CPU: the attention, GELU and layer-norm backwards)."""
+    torch._C._debug_only_display_vmap_fallback_warnings(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = function()
+    finally:
+        torch._C._debug_only_display_vmap_fallback_warnings(False)
+    found = (re.search(r"batching rule for ([\w:.]+?)\. ", str(w.message)) for w in caught)
+    return result, sorted({match.group(1) for match in found if match})
 
 
 def set_checkpointing(trainer: Trainer, enabled: bool) -> None:
@@ -1459,6 +1478,15 @@ def _setup_lines(payload: dict[str, Any]) -> list[str]:
             )
             + "."
         )
+        fallbacks = flops.get("k_backward_vmap_fallbacks")
+        if fallbacks is not None:
+            lines += [
+                "",
+                "K backward passes (the batched engine) are one vmapped backward; ops without "
+                "a batching rule run once per objective inside it: "
+                + (", ".join(f"`{op}`" for op in fallbacks) or "none")
+                + ".",
+            ]
     return [*lines, ""]
 
 
