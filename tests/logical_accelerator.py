@@ -14,7 +14,8 @@ accelerator op again. Results are therefore those of the CPU run. The rules chec
 
 - an op's tensor arguments are all on one device, except CPU scalars (0-dim tensors),
   which CUDA kernels accept beside CUDA tensors;
-- advanced indexing takes indices on the CPU or on the indexed tensor's device;
+- advanced indexing takes indices on the CPU or on the indexed tensor's device, and a
+  packed sequence its lengths and batch sizes on the CPU;
 - copies (``copy_``, ``.to``) cross devices, as on a GPU;
 - a random op producing accelerator data takes no CPU generator;
 - ``.numpy()`` of an accelerator tensor fails.
@@ -48,13 +49,22 @@ _CROSS_DEVICE = {
     aten._copy_from_and_resize.default,
 }
 _COPY_INTO_SECOND = {aten._copy_from.default, aten._copy_from_and_resize.default}
-# Advanced indexing: (op, name of the indices argument, its position).
-_INDEXING = {
+# Arguments CUDA takes on the host beside device data: (name, position) per op.
+# Advanced indexing's indices (host or the indexed tensor's device); a packed sequence's
+# lengths and batch sizes (host only, by contract).
+_HOST_ALLOWED = {
     aten.index.Tensor: ("indices", 1),
     aten.index_put_.default: ("indices", 1),
     aten.index_put.default: ("indices", 1),
     aten._index_put_impl_.default: ("indices", 1),
+    aten._pack_padded_sequence.default: ("lengths", 1),
+    aten.gru.data: ("batch_sizes", 1),
+    aten.lstm.data: ("batch_sizes", 1),
+    aten.rnn_tanh.data: ("batch_sizes", 1),
+    aten.rnn_relu.data: ("batch_sizes", 1),
 }
+# Outputs CUDA leaves on the host: a packed sequence's batch sizes.
+_HOST_OUTPUTS = {aten._pack_padded_sequence.default: {1}}
 
 
 class DeviceMismatch(RuntimeError):
@@ -127,9 +137,9 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
 
 
-def _check_indexing(func: Any, args: tuple, kwargs: dict) -> torch.device | None:
-    """Indices may stay on the CPU; everything else follows the one-device rule."""
-    name, position = _INDEXING[func]
+def _check_host_allowed(func: Any, args: tuple, kwargs: dict) -> torch.device | None:
+    """The host-allowed argument may stay on the CPU; the rest follows the one-device rule."""
+    name, position = _HOST_ALLOWED[func]
     indices = kwargs.get(name, args[position] if len(args) > position else None)
     others = [a for i, a in enumerate(args) if i != position] + [
         v for k, v in kwargs.items() if k != name
@@ -138,8 +148,8 @@ def _check_indexing(func: Any, args: tuple, kwargs: dict) -> torch.device | None
     for index in _tensors(indices):
         if index.device.type != "cpu" and _device_of(index) != device:
             raise DeviceMismatch(
-                f"indices should be either on cpu or on the same device as the indexed "
-                f"tensor ({device}) (in {func})"
+                f"{name} should be either on cpu or on the same device as the other "
+                f"arguments ({device}) (in {func})"
             )
     return device
 
@@ -171,8 +181,8 @@ class AcceleratorMode(TorchDispatchMode):
         if func in _CROSS_DEVICE:  # the result lives where the copy goes
             target = args[1] if func in _COPY_INTO_SECOND else args[0]
             device = requested or _device_of(target)
-        elif func in _INDEXING:
-            device = requested or _check_indexing(func, args, kwargs)
+        elif func in _HOST_ALLOWED:
+            device = requested or _check_host_allowed(func, args, kwargs)
         else:
             device = _check_same_device(func, _tensors((args, kwargs)))
             device = requested or device
@@ -193,6 +203,9 @@ class AcceleratorMode(TorchDispatchMode):
                 return original
             return AcceleratorTensor(value)
 
+        if func in _HOST_OUTPUTS:
+            host = _HOST_OUTPUTS[func]
+            return tuple(v if i in host else wrap(v) for i, v in enumerate(out))
         return tree_map(wrap, out)
 
 

@@ -249,11 +249,17 @@ def plan_samples(source: PromptSource, images_per_prompt: int, seed: int) -> lis
     return samples
 
 
+def sample_generator(seed: int, device: torch.device) -> torch.Generator:
+    """One sample's generator, on the pipeline's device: one per sample, so an image depends
+    on its seed, not on its batch. (The device guard's test swaps in a CPU generator: its
+    logical device can have none.)"""
+    return torch.Generator(device).manual_seed(seed)
+
+
 def generate(pipeline, samples: Sequence[Sample], settings: EvalSettings) -> torch.Tensor:
     """Images [B, 3, H, W] in [0, 1] for ``samples`` with the pipeline's own sampler,
     guided as the model's family guides its rollouts."""
-    device = pipeline.device
-    generators = [torch.Generator(device).manual_seed(s.seed) for s in samples]
+    generators = [sample_generator(s.seed, pipeline.device) for s in samples]
     size = settings.resolution
     family = family_of_pipeline_class(type(pipeline).__name__)
     guidance = family.pipeline_guidance(

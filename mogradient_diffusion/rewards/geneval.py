@@ -231,6 +231,10 @@ class GenEvalBase(Reward):
             outputs.masks_queries_logits = _unpadded(
                 outputs.masks_queries_logits, pixel_mask, pixel_values.shape[-2:]
             )
+        # The post-processing writes the masks into a map it makes on the CPU, indexing it
+        # with masks on the logits' device (an error on a GPU): it gets host copies.
+        outputs.class_queries_logits = outputs.class_queries_logits.cpu()
+        outputs.masks_queries_logits = outputs.masks_queries_logits.cpu()
         height, width = images.shape[1:3]
         results = self.processor.post_process_instance_segmentation(
             outputs,
