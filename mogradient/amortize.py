@@ -18,6 +18,13 @@ from mogradient.harmonizers.base import Harmonization, Harmonizer
 
 logger = logging.getLogger("mogradient.amortize")
 
+# Cached weights are refused when the direction they give is off by more than this
+# fraction of itself in the stack's precision (see ``cancellation_ratio``).
+_CACHED_DIRECTION_ERROR = 1e-2
+# ... or when the Gram cannot tell their direction from zero: ||d||^2 = p^T C p is known
+# to float64 round-off of (sum |p_k|)^2, so ratios past ~1/sqrt(eps) are not resolved.
+_RESOLVED_RATIO = 0.1 / torch.finfo(torch.float64).eps ** 0.5
+
 
 @dataclass(frozen=True)
 class AmortizedStep:
@@ -40,7 +47,10 @@ class Amortizer:
     ablation, and this package's behaviour before). A full solve that cannot produce a
     fresh solution (no usable gradient, all-zero weights, solver error) keeps the cache
     and says so; a solve with a single usable objective applies that objective alone for
-    the step but does not overwrite the cache.
+    the step but does not overwrite the cache. Neither is a solution whose weights cancel
+    beyond the stack's precision (``fallback="cancelling_weights"``, see
+    :func:`cancellation_ratio`): re-applied to the next steps' gradients, such weights give
+    an update of round-off, many times the gradients' size.
     """
 
     def __init__(
@@ -93,6 +103,10 @@ class Amortizer:
         if harmonization.fallback == "no_usable_objective" or not harmonization.weights.any():
             reason = harmonization.fallback or "zero_weights"
             return self._fallback_step(reason, count, harmonization)
+        ratio = cancellation_ratio(harmonization.weights, harmonization.gram)
+        if ratio > min(_CACHED_DIRECTION_ERROR / _unit_roundoff(jacobian), _RESOLVED_RATIO):
+            reason = f"cancelling_weights: sum |w_k| ||g_k|| is {ratio:.3g} x ||d||"
+            return self._fallback_step(reason, count, harmonization)
         self._steps_since_solve = 0
         self.step += 1
         if harmonization.fallback == "single_objective":
@@ -140,6 +154,40 @@ class Amortizer:
         if self.ema.value is not None:
             return AmortizedStep(self.ema.value.clone(), False, harmonization, reason)
         return AmortizedStep(torch.zeros(count, dtype=torch.float64), False, harmonization, reason)
+
+
+def cancellation_ratio(weights: torch.Tensor, gram: torch.Tensor | None) -> float:
+    """sum_k |w_k| ||g_k|| / ||sum_k w_k g_k|| from the Gram: how much the weights cancel.
+
+    Why: a direction combined in precision u is off by about u times the numerator, so a
+    ratio near 1/u means a direction of round-off. It is 1 for non-negative weights on
+    aligned gradients and grows as the combination cancels (MGDA's min-norm point near a
+    Pareto-stationary one; a Nash-MTL or FairGrad solve on opposed gradients gives weights
+    ~1e7 whose direction is noise). Read in cosines, so it holds at any gradient scale;
+    objectives with zero weight, or a zero or non-finite squared norm, do not enter it.
+    """
+    if gram is None:
+        return 1.0
+    weights = weights.to(torch.float64).cpu()
+    gram = gram.to(torch.float64).cpu()
+    squared = torch.diagonal(gram)
+    kept = (weights != 0) & torch.isfinite(squared) & (squared > 0)
+    if not kept.any():
+        return 1.0
+    norms = torch.sqrt(squared[kept])
+    cosines = gram[kept][:, kept] / torch.outer(norms, norms)
+    parts = weights[kept] * norms  # w_k ||g_k||: each gradient's share of the direction
+    direction = torch.sqrt((parts @ cosines @ parts).clamp_min(0))
+    total = parts.abs().sum()
+    return float(total / direction) if direction > 0 else float("inf")
+
+
+def _unit_roundoff(jacobian: torch.Tensor | None) -> float:
+    """The precision cached weights meet: float64 stacks' own, float32's otherwise (half
+    precision stacks are combined in float32; a Gram passed in is often float32 sums)."""
+    if jacobian is not None and jacobian.dtype == torch.float64:
+        return torch.finfo(torch.float64).eps
+    return torch.finfo(torch.float32).eps
 
 
 def _zero_or_non_finite(harmonization: Harmonization) -> torch.Tensor:

@@ -20,11 +20,13 @@ from mogradient import (
     FixedWeights,
     Harmonizer,
     Mean,
+    NashMTL,
     RewardDropout,
     combinable_gradients,
     masked_mean_coefficients,
     objective_gradients,
 )
+from mogradient.amortize import cancellation_ratio
 from mogradient.errors import SolverError
 from mogradient.harmonizers.base import WeighResult
 
@@ -224,3 +226,51 @@ def test_solve_steps_apply_the_fresh_solution_and_cached_steps_the_smoothed_one(
     ablation.full_step(first)
     ablation.cached_step()
     torch.testing.assert_close(ablation.full_step(second).weights, smoothed)
+
+
+class _Cancelling(Harmonizer):
+    """Weights of 1e6 in each gradient's units: on opposed gradients they cancel."""
+
+    def weigh(self, gram, objectives: torch.Tensor) -> WeighResult:
+        return WeighResult(1e6 / gram.norms * 2.0**-gram.exponent)
+
+
+def test_cancellation_ratio_is_the_weights_share_of_the_direction_they_give() -> None:
+    """Against the definition, computed from the stack itself."""
+    generator = torch.Generator().manual_seed(0)
+    for scale in (1e-30, 1.0, 1e30):
+        jacobian = scale * torch.randn(4, 30, generator=generator, dtype=torch.float64)
+        weights = torch.randn(4, generator=generator, dtype=torch.float64) / scale
+        weights[2] = 0.0
+        expected = (weights.abs() * jacobian.norm(dim=1)).sum() / (weights @ jacobian).norm()
+        got = cancellation_ratio(weights, jacobian @ jacobian.T)
+        assert got == pytest.approx(float(expected), rel=1e-10)
+    aligned = torch.ones(2, 3, dtype=torch.float64)
+    assert cancellation_ratio(torch.tensor([1.0, 2.0]), aligned @ aligned.T) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cancelling_weights_are_never_cached(dtype, caplog: pytest.LogCaptureFixture) -> None:
+    """Weights that cancel beyond the stack's precision would turn the next steps' updates
+    into round-off: the solve is refused, the cache kept, the reason logged."""
+    x = torch.tensor([1.0, 2.0, 2.0], dtype=dtype)
+    opposed = torch.stack([x, -1.3 * x])
+    amortizer = Amortizer(_Cancelling(), period=1)
+    with caplog.at_level(logging.WARNING, logger="mogradient.amortize"):
+        step = amortizer.full_step(opposed)
+    assert not step.solved and step.fallback.startswith("cancelling_weights")
+    assert "cancelling_weights" in caplog.text
+    assert amortizer.ema.value is None and (step.weights == 0).all()
+    # The same weights on gradients they do not cancel on are cached.
+    spread = torch.eye(2, 3, dtype=dtype)
+    assert amortizer.full_step(spread).solved and amortizer.ema.value is not None
+
+
+def test_nash_mtl_on_an_opposed_float32_pair_leaves_no_cache() -> None:
+    """The peer suite's case: Nash-MTL's weights there are ~1e7 that cancel (or zero, at
+    a Pareto-stationary point); either way nothing is cached."""
+    x = torch.tensor([1.0, 2.0, 2.0])
+    amortizer = Amortizer(NashMTL(), period=1)
+    step = amortizer.full_step(torch.stack([x, -1.3 * x]))
+    assert not step.solved and step.fallback is not None
+    assert amortizer.ema.value is None
