@@ -84,14 +84,21 @@ def mtl_backward(
     backward of the trunk; ``method`` and ``chunk_size`` do not apply.
 
     Raises ``ValueError`` for losses that are not scalars or not differentiable, features
-    that do not require grad, a loss that does not depend on the features, and
-    inconsistent parameter sets; :class:`~mogradient.errors.UnusedParameterError` for a
+    that do not require grad, a loss that does not depend on the features, inconsistent
+    parameter sets, and ``mode="features"`` with a coordinate-wise harmonizer
+    (TrimmedMean, GradDrop: their weights do not give their direction); :class:`~mogradient.errors.UnusedParameterError` for a
     shared parameter no loss reaches. Nothing is written to ``.grad`` when it raises.
     """
     if not isinstance(harmonizer, Harmonizer):
         raise TypeError(f"harmonizer must be a mogradient Harmonizer, got {type(harmonizer)}")
     if mode not in ("trunk", "features"):
         raise ValueError(f"unknown mode {mode!r}; use 'trunk' (exact) or 'features' (MGDA-UB)")
+    if mode == "features" and not harmonizer.direction_is_weighted_sum:
+        # Features mode applies the weights to the trunk through one weighted backward.
+        raise ValueError(
+            f"{type(harmonizer).__name__} computes its direction coordinate by coordinate, so "
+            "its weights do not reproduce it on the trunk: use mode='trunk' with it"
+        )
     if method not in ("batched", "sequential"):
         raise ValueError(f"unknown gradient method {method!r}; use 'batched' or 'sequential'")
     if chunk_size is not None and chunk_size < 1:

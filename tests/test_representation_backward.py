@@ -345,3 +345,14 @@ def test_errors_are_clear_and_write_nothing() -> None:
     with pytest.raises(TypeError, match="must be a mogradient Harmonizer"):
         mtl_backward(losses, features, lambda jacobian: jacobian.mean(0))
     assert all(parameter.grad is None for parameter in model.parameters())
+
+
+@pytest.mark.parametrize("harmonizer", [mg.TrimmedMean(), mg.GradDrop(seed=0)])
+def test_features_mode_refuses_coordinatewise_methods(harmonizer) -> None:
+    """Their weights are stand-ins that do not give their direction, and features mode
+    applies weights to the trunk; nothing is written."""
+    model, batch = Net(), make_batch()
+    features, losses = forward(model, batch)
+    with pytest.raises(ValueError, match="mode='trunk'"):
+        mtl_backward(losses, features, harmonizer, mode="features")
+    assert all(parameter.grad is None for parameter in model.parameters())
