@@ -86,8 +86,9 @@ def mtl_backward(
     Raises ``ValueError`` for losses that are not scalars or not differentiable, features
     that do not require grad, a loss that does not depend on the features, inconsistent
     parameter sets, and ``mode="features"`` with a coordinate-wise harmonizer
-    (TrimmedMean, GradDrop: their weights do not give their direction); :class:`~mogradient.errors.UnusedParameterError` for a
-    shared parameter no loss reaches. Nothing is written to ``.grad`` when it raises.
+    (TrimmedMean, GradDrop: their weights do not give their direction);
+    :class:`~mogradient.errors.UnusedParameterError` for a shared parameter no loss
+    reaches. Nothing is written to ``.grad`` when it raises.
     """
     if not isinstance(harmonizer, Harmonizer):
         raise TypeError(f"harmonizer must be a mogradient Harmonizer, got {type(harmonizer)}")
