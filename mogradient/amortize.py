@@ -47,10 +47,10 @@ class Amortizer:
     ablation, and this package's behaviour before). A full solve that cannot produce a
     fresh solution (no usable gradient, all-zero weights, solver error) keeps the cache
     and says so; a solve with a single usable objective applies that objective alone for
-    the step but does not overwrite the cache. Neither is a solution whose weights cancel
-    beyond the stack's precision (``fallback="cancelling_weights"``, see
-    :func:`cancellation_ratio`): re-applied to the next steps' gradients, such weights give
-    an update of round-off, many times the gradients' size.
+    the step but does not overwrite the cache. Neither is a solution whose weights exceed
+    the gradients' scale and cancel beyond the stack's precision
+    (``fallback="cancelling_weights"``, see :func:`cancellation_ratio`): re-applied to the
+    next steps' gradients, such weights give an update many times their size.
     """
 
     def __init__(
@@ -103,9 +103,8 @@ class Amortizer:
         if harmonization.fallback == "no_usable_objective" or not harmonization.weights.any():
             reason = harmonization.fallback or "zero_weights"
             return self._fallback_step(reason, count, harmonization)
-        ratio = cancellation_ratio(harmonization.weights, harmonization.gram)
-        if ratio > min(_CACHED_DIRECTION_ERROR / _unit_roundoff(jacobian), _RESOLVED_RATIO):
-            reason = f"cancelling_weights: sum |w_k| ||g_k|| is {ratio:.3g} x ||d||"
+        reason = _cancelling(harmonization, _unit_roundoff(jacobian))
+        if reason is not None:
             return self._fallback_step(reason, count, harmonization)
         self._steps_since_solve = 0
         self.step += 1
@@ -180,6 +179,25 @@ def cancellation_ratio(weights: torch.Tensor, gram: torch.Tensor | None) -> floa
     direction = torch.sqrt((parts @ cosines @ parts).clamp_min(0))
     total = parts.abs().sum()
     return float(total / direction) if direction > 0 else float("inf")
+
+
+def _cancelling(harmonization: Harmonization, unit_roundoff: float) -> str | None:
+    """Why the weights must not be cached, or None: they exceed the gradients' own scale
+    (sum_k |w_k| ||g_k|| > K max ||g_k||; MGDA's simplex weights at a stationary point,
+    whose direction is zero, stay within it) and cancel beyond what the stack's precision
+    or the Gram resolves."""
+    gram = harmonization.gram
+    if gram is None:
+        return None
+    squared = torch.diagonal(gram.to(torch.float64).cpu())
+    norms = torch.sqrt(torch.where(torch.isfinite(squared), squared, 0.0).clamp_min(0))
+    spread = float((harmonization.weights.to(torch.float64).cpu().abs() * norms).sum())
+    if spread <= len(norms) * float(norms.max()):
+        return None
+    ratio = cancellation_ratio(harmonization.weights, gram)
+    if ratio <= min(_CACHED_DIRECTION_ERROR / unit_roundoff, _RESOLVED_RATIO):
+        return None
+    return f"cancelling_weights: sum |w_k| ||g_k|| is {ratio:.3g} x ||d||"
 
 
 def _unit_roundoff(jacobian: torch.Tensor | None) -> float:

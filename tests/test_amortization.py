@@ -266,6 +266,16 @@ def test_cancelling_weights_are_never_cached(dtype, caplog: pytest.LogCaptureFix
     assert amortizer.full_step(spread).solved and amortizer.ema.value is not None
 
 
+def test_mgda_at_a_stationary_point_is_cached() -> None:
+    """Its weights cancel (the direction is zero) but stay at the gradients' scale: caching
+    them is MARBLE's behaviour, and re-applied they give an update of that scale."""
+    x = torch.tensor([1.0, 2.0, 2.0], dtype=torch.float64)
+    amortizer = Amortizer(MGDA(), period=1)
+    step = amortizer.full_step(torch.stack([x, -1.3 * x]))
+    assert step.solved and step.fallback is None
+    assert amortizer.ema.value is not None
+
+
 def test_nash_mtl_on_an_opposed_float32_pair_leaves_no_cache() -> None:
     """The peer suite's case: Nash-MTL's weights there are ~1e7 that cancel (or zero, at
     a Pareto-stationary point); either way nothing is cached."""
