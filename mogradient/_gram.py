@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 DEFAULT_BLOCK_COLUMNS = 1 << 14
+_FLOAT64_EPS = float(np.finfo(np.float64).eps)
 # Columns converted at a time when upcasting or widening half types (bounds the memory).
 _UPCAST_SPAN_BLOCKS = 64
 # CPU stack entries from which the blocks' products run in one bmm over torch's threads.
@@ -242,16 +243,32 @@ class CosineGram:
     cosines C (symmetric PSD, unit diagonal, round-off negative eigenvalues clipped) and
     the norms n (the largest in [0.5, 1); ||g_k|| = n_k 2^exponent) and work in each
     gradient's own units.
+
+    Precision, as machine epsilons: ``eps`` that of the gradients (their dtype's, and the
+    dtype a direction is formed in; float32's at best for a Gram passed in,
+    :func:`gram_eps`), ``cosine_eps`` that of the cosines (the dtype the Gram was summed
+    in: float32 for a half-precision stack, whose products are exact there). Why: every
+    decision that zero is in the hull, or that gradients are dependent, must be taken at
+    the input's precision. Two float32 gradients 1e-8 from exact opposition are opposed
+    within it, and weights that cancel beyond 1/eps give a direction of round-off.
     """
 
     cosines: torch.Tensor
     norms: torch.Tensor
     exponent: int
+    eps: float = _FLOAT64_EPS
+    cosine_eps: float = _FLOAT64_EPS
 
     @classmethod
-    def from_scaled(cls, scaled: torch.Tensor, exponents: torch.Tensor) -> CosineGram:
-        """From S and e of :func:`scaled_gram` (G = diag(2^e) S diag(2^e)); S's diagonal
-        must be positive and finite."""
+    def from_scaled(
+        cls,
+        scaled: torch.Tensor,
+        exponents: torch.Tensor,
+        eps: float = _FLOAT64_EPS,
+        cosine_eps: float = _FLOAT64_EPS,
+    ) -> CosineGram:
+        """From S and e of :func:`scaled_gram` (G = diag(2^e) S diag(2^e)), with the
+        precisions of the gradients and of S; S's diagonal must be positive and finite."""
         scaled = scaled.to(torch.float64).cpu()
         sizes = torch.sqrt(torch.diagonal(scaled))
         cosines = scaled / torch.outer(sizes, sizes)
@@ -265,7 +282,7 @@ class CosineGram:
         powers = powers.to(torch.int64) + exponents.cpu()
         top = int(powers.max())
         norms = np.ldexp(mantissas.numpy(), (powers - top).numpy())
-        return cls(cosines, torch.from_numpy(norms), top)
+        return cls(cosines, torch.from_numpy(norms), top, eps, cosine_eps)
 
     def __len__(self) -> int:
         return len(self.norms)
@@ -280,7 +297,13 @@ class CosineGram:
 
     def subset(self, indices: torch.Tensor) -> CosineGram:
         """The Gram of the gradients at ``indices`` (same exponent)."""
-        return CosineGram(self.cosines[indices][:, indices], self.norms[indices], self.exponent)
+        return CosineGram(
+            self.cosines[indices][:, indices],
+            self.norms[indices],
+            self.exponent,
+            self.eps,
+            self.cosine_eps,
+        )
 
 
 def gram_tolerance(dtype: torch.dtype) -> float:
@@ -294,6 +317,18 @@ def gram_tolerance(dtype: torch.dtype) -> float:
     ``RowGradients.gram``), so its dtype does not promise more.
     """
     return 2.0**16 * torch.finfo(_precision(dtype)).eps
+
+
+def summed_eps(dtype: torch.dtype) -> float:
+    """Machine epsilon of the dtype :func:`scaled_gram` sums a ``dtype`` stack's Gram in."""
+    return torch.finfo(_compute_dtype(dtype, upcast=False)).eps
+
+
+def gram_eps(gram: torch.Tensor | np.ndarray) -> float:
+    """Machine epsilon of the precision a Gram passed in carries: its dtype's, float32's at
+    best (see :func:`gram_tolerance`)."""
+    dtype = torch.as_tensor(gram).dtype
+    return torch.finfo(_precision(dtype if dtype.is_floating_point else torch.float64)).eps
 
 
 def validated_gram(gram: torch.Tensor | np.ndarray) -> torch.Tensor:

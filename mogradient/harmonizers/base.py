@@ -15,7 +15,15 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from mogradient._gram import CosineGram, scaled_gram, unscaled, validated_gram
+from mogradient._gram import (
+    CosineGram,
+    gram_eps,
+    scaled_gram,
+    summed_eps,
+    unscaled,
+    validated_gram,
+)
+from mogradient._qp import solve_simplex_qp_factored
 from mogradient.errors import SolverError
 
 # Columns per block of the batched direction product (large enough that per-block
@@ -72,6 +80,16 @@ class Harmonizer(ABC):
     # Whether a call needs the K x D stack; Gram-only calls (``gram=``) raise for such
     # methods (ExcessMTL's per-parameter scales, the coordinate-wise methods).
     needs_stack: ClassVar[bool] = False
+    # What the method's definition guarantees (names in mogradient.harmonizers.promises),
+    # at its default options, and the fallbacks it may take beside the base class's own:
+    # tests/test_harmonizer_promises.py checks every declaration of every method.
+    promises: ClassVar[frozenset[str]] = frozenset()
+    fallbacks: ClassVar[frozenset[str]] = frozenset()
+
+    @property
+    def required_objectives(self) -> int:
+        """Usable gradients a call needs; fewer raise a ValueError saying so."""
+        return 1
 
     def __call__(
         self, jacobian: torch.Tensor | None = None, *, gram: torch.Tensor | None = None
@@ -82,9 +100,11 @@ class Harmonizer(ABC):
         if jacobian is not None:
             # Harmonization is not part of the graph: never backpropagate through it.
             jacobian = _validated_jacobian(jacobian).detach()
+            eps, cosine_eps = torch.finfo(jacobian.dtype).eps, summed_eps(jacobian.dtype)
             scaled, exponents = scaled_gram(jacobian)
             gram = unscaled(scaled, exponents)
         else:
+            eps = cosine_eps = gram_eps(gram)
             gram = validated_gram(gram)
             scaled, exponents = gram, torch.zeros(len(gram), dtype=torch.int64)
         valid = _usable_objectives(scaled)
@@ -96,7 +116,7 @@ class Harmonizer(ABC):
         else:
             objectives = torch.nonzero(valid).flatten()
             sub_gram = CosineGram.from_scaled(
-                scaled.cpu()[objectives][:, objectives], exponents[objectives]
+                scaled.cpu()[objectives][:, objectives], exponents[objectives], eps, cosine_eps
             )
             weighting = self.weigh(sub_gram, objectives)
             if weighting.weights.shape != (len(objectives),):
@@ -135,7 +155,10 @@ class Harmonizer(ABC):
         norm positive): read ``gram.cosines`` and ``gram.norms`` to resolve gradients of
         any size, or ``gram.matrix()``, the Gram up to a common power of two, where the
         smallest may underflow. ``objectives`` holds their indices in the caller's
-        numbering, for methods that keep per-objective state.
+        numbering, for methods that keep per-objective state. ``gram.eps`` and
+        ``gram.cosine_eps`` are the precisions of the gradients and of the cosines:
+        decide that zero is in the hull, or that gradients are dependent, at those
+        (:func:`zero_in_hull`), never at float64's.
         """
 
     def refine(
@@ -277,6 +300,23 @@ def validated_preferences(
             f"{name} must be a non-empty 1-D list of finite, non-negative numbers, not all zero"
         )
     return preferences.clone()
+
+
+def zero_in_hull(gram: CosineGram) -> bool:
+    """Whether zero is in the gradients' convex hull within the Gram's precision: the min
+    over the simplex of a^T C a (C the cosines) is at most 4 K eps (``gram.cosine_eps``).
+
+    Why this bound: the cosines are known to ~eps, so a^T C a is too, up to the K x K
+    errors' spectral norm, and below a few K eps the Gram cannot tell the hull from zero.
+    Above it, a direction d = sum_k b_k u_k (b > 0) keeps its promise through round-off
+    in the same precision: with p the min-norm point, ||d|| >= ||p|| sum_k b_k, so for
+    Nash-MTL (||d||^2 = K and u_k . d = 1/b_k >= 1/sum_j b_j) rounding each u_j by eps,
+    which moves u_k . d by up to eps sum_j b_j, costs at most
+    eps (sum_j b_j)^2 <= eps K / ||p||^2 < 1/4 of it.
+    """
+    count = len(gram)
+    hull = solve_simplex_qp_factored(gram.cosines.numpy(), np.ones(count))
+    return hull.objective <= 4 * count * gram.cosine_eps
 
 
 def seeded_generator(seed: int | None) -> torch.Generator:

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient._qp import solve_simplex_qp_factored
 from mogradient.errors import SolverError
-from mogradient.harmonizers.base import Harmonizer, WeighResult
+from mogradient.harmonizers.base import Harmonizer, WeighResult, zero_in_hull
+from mogradient.harmonizers.promises import NON_CONFLICTING, PERMUTATION_INVARIANT, STATIONARY_ZERO
 
-# Relative residual of the weight system at which Newton's method stops.
+# Residual of the weight system, relative to its terms' sizes, at which Newton stops.
 _TOLERANCE = 1e-13
 _MAX_ITERATIONS = 200
-# A squared min-norm point of the unit gradients' hull below this x K is round-off in a
-# float64 Gram: zero lies in the hull and the system has no solution.
-_STATIONARY_BELOW = 4 * np.finfo(float).eps
 
 
 class FairGrad(Harmonizer):
@@ -39,11 +37,21 @@ class FairGrad(Harmonizer):
     (C the cosine matrix), exact at any spread of norms. A minimizer exists unless zero
     is in the convex hull of the gradients (a Pareto-stationary point: no direction
     improves every objective); then the weights are zero with
-    ``fallback="pareto_stationary"``. ``kkt_residual`` is the system's largest relative
-    residual. Solved on the Gram only: for near-dependent gradients (smallest cosine
+    ``fallback="pareto_stationary"``. Zero is in the hull when it is within the
+    gradients' precision (:func:`~mogradient.harmonizers.base.zero_in_hull`): a float32
+    stack is known to ~1e-7, and the float64 solution for its rounded entries cancels
+    into a float32 direction that conflicts with half the gradients. ``kkt_residual`` is
+    the largest relative violation of the promise (C b)_k = demand_k by d = sum_k b_k u_k
+    formed in the gradients' precision eps: max_k (|(C b)_k - demand_k| + eps sum_j b_j)
+    / demand_k. Solved on the Gram only: for near-dependent gradients (smallest cosine
     eigenvalue lambda near eps) the weights carry relative errors up to ~eps / lambda;
     there is no refinement on the stack as in :class:`~mogradient.harmonizers.config_grad.ConFIG`.
     """
+
+    promises: ClassVar[frozenset[str]] = frozenset(
+        {NON_CONFLICTING, PERMUTATION_INVARIANT, STATIONARY_ZERO}
+    )
+    fallbacks: ClassVar[frozenset[str]] = frozenset({"pareto_stationary"})
 
     def __init__(self, alpha: float = 1.0) -> None:
         alpha = float(alpha)
@@ -55,25 +63,37 @@ class FairGrad(Harmonizer):
         count = len(objectives)
         if self.alpha == 0:
             return WeighResult(torch.full((count,), 1.0 / count, dtype=torch.float64))
-        cosines = gram.cosines.numpy()
-        hull = solve_simplex_qp_factored(cosines, np.ones(count))
-        if hull.objective <= _STATIONARY_BELOW * count:
+        if zero_in_hull(gram):
             return WeighResult(
                 torch.zeros(count, dtype=torch.float64), fallback="pareto_stationary"
             )
+        cosines = gram.cosines.numpy()
         # log ||g_k||, and the system's factors c_k = ||g_k||^((1 - alpha)/alpha) divided by
         # the largest, lam: with c = lam c', the solution is b = lam^(alpha/(alpha+1)) b'.
         log_norms = np.log(gram.norms.numpy()) + gram.exponent * math.log(2.0)
         log_factors = (1.0 - self.alpha) / self.alpha * log_norms
         log_scale = float(log_factors.max())
-        coefficients, residual = _solve(cosines, np.exp(log_factors - log_scale), self.alpha)
+        factors = np.exp(log_factors - log_scale)
+        coefficients = _solve(cosines, factors, self.alpha)
+        residual = _promise_residual(cosines, factors, coefficients, self.alpha, gram.eps)
         log_weights = self.alpha / (self.alpha + 1.0) * log_scale + np.log(coefficients) - log_norms
         return WeighResult(torch.from_numpy(np.exp(log_weights)), kkt_residual=residual)
 
 
-def _solve(cosines: np.ndarray, factors: np.ndarray, alpha: float) -> tuple[np.ndarray, float]:
+def _promise_residual(
+    cosines: np.ndarray, factors: np.ndarray, b: np.ndarray, alpha: float, eps: float
+) -> float:
+    """max_k (|(C b)_k - demand_k| + eps sum_j b_j) / demand_k, demand = factors b^(-1/alpha):
+    how far u_k . d may be from its promised value, relative to it, when d = sum_j b_j u_j
+    is formed from unit gradients each known to eps."""
+    demand = factors * b ** (-1.0 / alpha)
+    gap = np.abs(cosines @ b - demand) + eps * float(b.sum())
+    return float(np.max(gap / demand))
+
+
+def _solve(cosines: np.ndarray, factors: np.ndarray, alpha: float) -> np.ndarray:
     """b > 0 with C b = factors * b^(-1/alpha), by damped Newton on the convex potential
-    1/2 b^T C b - sum_k factors_k h(b_k), and the system's relative residual."""
+    1/2 b^T C b - sum_k factors_k h(b_k)."""
     power = -1.0 / alpha
     absolute = np.abs(cosines)
 
@@ -94,7 +114,7 @@ def _solve(cosines: np.ndarray, factors: np.ndarray, alpha: float) -> tuple[np.n
     gap, relative = residual(b)
     for _ in range(_MAX_ITERATIONS):
         if relative <= _TOLERANCE:
-            return b, relative
+            return b
         hessian = cosines + np.diag(-power * factors * b ** (power - 1.0))
         scale = 1.0 / np.sqrt(np.diag(hessian))
         step = -scale * np.linalg.solve(hessian * np.outer(scale, scale), scale * gap)
@@ -114,4 +134,4 @@ def _solve(cosines: np.ndarray, factors: np.ndarray, alpha: float) -> tuple[np.n
         raise SolverError(
             f"FairGrad's weight system did not converge (relative residual {relative:.2e})"
         )
-    return b, relative
+    return b

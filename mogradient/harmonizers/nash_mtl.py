@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient.harmonizers.base import Harmonizer, WeighResult
+from mogradient.harmonizers.base import Harmonizer, WeighResult, zero_in_hull
+from mogradient.harmonizers.promises import NON_CONFLICTING, PERMUTATION_INVARIANT, STATIONARY_ZERO
 
 # Newton's answer is accepted only if it solves G alpha = 1/alpha to this relative accuracy;
 # round-off on a well-posed problem is many orders of magnitude below it.
@@ -30,13 +32,23 @@ class NashMTL(Harmonizer):
     If some non-negative combination of the gradients is zero (a Pareto-stationary point)
     phi is unbounded below and no solution exists: no direction improves every objective,
     so the weights are zero (``fallback="pareto_stationary"``). A ridged solve would
-    return huge weights that cancel, which an amortized cache must never keep.
-    ``kkt_residual`` is ||C beta - 1/beta|| / ||1/beta||.
+    return huge weights that cancel, which an amortized cache must never keep. "Zero"
+    is taken at the gradients' precision (:func:`~mogradient.harmonizers.base.zero_in_hull`):
+    a float32 pair [x, -1.3 x] is opposed within float32's, and the exact solution for
+    its rounded entries (weights ~1e7) gives a float32 direction of pure round-off.
+    ``kkt_residual`` is the largest relative violation of the promise u_k . d = 1/beta_k
+    by d formed in the gradients' precision eps:
+    max_k (|(C beta)_k - 1/beta_k| + eps sum_j beta_j) beta_k.
 
     At the solution ||d||^2 = alpha^T G alpha = K whatever the gradients' scale. As in the
     authors' code (and TorchJD), ``max_norm > 0`` rescales alpha so that ||d|| <= max_norm
     (default 1.0); ``max_norm=0`` returns the bargaining solution itself.
     """
+
+    promises: ClassVar[frozenset[str]] = frozenset(
+        {NON_CONFLICTING, PERMUTATION_INVARIANT, STATIONARY_ZERO}
+    )
+    fallbacks: ClassVar[frozenset[str]] = frozenset({"pareto_stationary"})
 
     def __init__(
         self,
@@ -55,13 +67,13 @@ class NashMTL(Harmonizer):
         self.max_iterations = int(max_iterations)
 
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
-        beta, iterations = self._newton(gram.cosines)
+        beta, iterations = (None, 0) if zero_in_hull(gram) else self._newton(gram.cosines)
         if beta is None:
             zeros = torch.zeros(len(gram), dtype=torch.float64)
             return WeighResult(
                 zeros, fallback="pareto_stationary", extras={"newton_iterations": iterations}
             )
-        residual = _relative_residual(gram.cosines, beta)
+        residual = _promise_residual(gram.cosines, beta, gram.eps)
         # ||d|| = ||sum_k beta_k u_k||: no norm enters.
         direction_norm = float(torch.sqrt((beta @ gram.cosines @ beta).clamp_min(0)))
         if self.max_norm > 0 and direction_norm > self.max_norm:
@@ -112,3 +124,11 @@ def _relative_residual(gram: torch.Tensor, alpha: torch.Tensor) -> float:
     """||G alpha - 1/alpha|| / ||1/alpha||."""
     inverse = 1.0 / alpha
     return float(torch.linalg.norm(gram @ alpha - inverse) / torch.linalg.norm(inverse))
+
+
+def _promise_residual(gram: torch.Tensor, beta: torch.Tensor, eps: float) -> float:
+    """max_k (|(C beta)_k - 1/beta_k| + eps sum_j beta_j) beta_k: how far u_k . d may be
+    from its promised 1/beta_k, relative to it, when d = sum_j beta_j u_j is formed from
+    unit gradients each known to eps."""
+    gap = (gram @ beta - 1.0 / beta).abs() + eps * float(beta.sum())
+    return float((gap * beta).max())

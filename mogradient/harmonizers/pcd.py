@@ -5,35 +5,56 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient._qp_cone import near_dependent
+from mogradient._qp_cone import _nonnegative_least_squares, near_dependent
 from mogradient._span import coordinates_from_cosines, coordinates_from_stack
 from mogradient.harmonizers.base import Harmonizer, WeighResult
 
-_EPS = float(np.finfo(np.float64).eps)
-# A constraint counts as violated beyond this many units of round-off in u_j . y.
-_VIOLATION_TOLERANCE = 64 * _EPS
-# Active columns (unit vectors) whose smallest singular value is below this of the largest
-# are dependent: Gram square roots resolve ~1e-8 (as in _qp_cone); a stack's QR ~eps.
-_GRAM_RANK_TOLERANCE = 1e-10
-_STACK_RANK_TOLERANCE = 64 * _EPS
-# Entries of a dependence z (a_e = A z) below this of max|z| are round-off zeros.
-_DEPENDENCE_ZERO = 1e-12
+_FLOAT64_EPS = float(np.finfo(np.float64).eps)
+
+
+@dataclass(frozen=True)
+class _Precision:
+    """What the span coordinates of the unit gradients resolve.
+
+    ``eps``: each u_j is known to the gradients' precision (``gram.eps``), so an inner
+    product u_j . y to eps times the sizes y is summed from. ``resolution``: lengths
+    (singular values of unit columns, norms of their combinations) relative to the
+    sizes involved. Coordinates from cosines known to ``gram.cosine_eps`` resolve them
+    only to sqrt(4 K cosine_eps): a component of size s off another column's span
+    changes the cosines by s^2, and cosines off by eps move eigenvalues by up to ~K eps.
+    Coordinates from the stack's QR resolve them to K eps: rounding each row to its
+    dtype moves its unit vector by <= eps, and so the singular values of the K unit rows
+    by <= sqrt(K) eps; never below 64 float64 eps, the float64 QR's own round-off.
+    """
+
+    eps: float
+    resolution: float
+
+    @classmethod
+    def of_gram(cls, gram: CosineGram) -> _Precision:
+        return cls(gram.eps, math.sqrt(4 * len(gram) * gram.cosine_eps))
+
+    @classmethod
+    def of_stack(cls, gram: CosineGram) -> _Precision:
+        return cls(gram.eps, max(len(gram) * gram.eps, 64 * _FLOAT64_EPS))
 
 
 @dataclass(frozen=True)
 class _Solution:
     """The PCD problem solved in span coordinates: d~ = y and the multipliers lambda_j >= 0
-    of the unit constraints u_j . y >= b_j, so that y = a_1 u_1 + sum_j lambda_j u_j."""
+    of the unit constraints u_j . y >= b_j, so that y = a_1 u_1 + sum_j lambda_j u_j, with
+    ``noise`` the length below which y is round-off."""
 
     direction: np.ndarray
     multipliers: np.ndarray
     kkt_residual: float
+    noise: float
 
 
 class PCD(Harmonizer):
@@ -56,12 +77,15 @@ class PCD(Harmonizer):
     How it is solved: the dual is a box-constrained QP on the Gram of the normalized
     gradients, min_{lambda >= 0} 1/2 ||a_1 u_1 + sum_j lambda_j u_j||^2 - sum_j b_j lambda_j
     (u_i unit vectors, a_i = s_i ||g_i||, b_j = tau_j a_j), whose stationary point is
-    d~ = a_1 u_1 + sum_j lambda_j u_j. An active set method solves it in span coordinates
-    of the cosines (never the squared norms, so any spread of norms is exact), reading d~
-    as an orthogonal residual, and handles an entering constraint that depends on the
-    active ones by swapping. With ``refine=True`` and a stack given, near-dependent
-    gradients are re-solved on a QR of the stack, and the direction is formed there
-    (the multipliers then cancel: an opposed pair g, -g + 1e-7 noise needs lambda ~1e12).
+    d~ = a_1 u_1 + sum_j lambda_j u_j. We solve the primal as a least-distance problem
+    by one NNLS (Lawson and Hanson 1974, ch. 23) in span coordinates of the cosines
+    (never the squared norms, so any spread of norms is exact): it terminates for any
+    number of constraints (an active set on the dual can cycle when there are more than
+    dimensions), reads d~ - a_1 u_1 off an orthogonal residual, and either solves the
+    problem or finds Farkas' certificate that it is infeasible. With ``refine=True`` and
+    a stack given, near-dependent gradients are re-solved on a QR of the stack, and the
+    direction is formed there (the multipliers then cancel: an opposed pair
+    g, -g + 1e-7 noise needs lambda ~1e12).
 
     Cases: if the constraints cannot all hold (a non-negative combination of secondary
     gradients is zero, e.g. two opposed ones, with tau > 0) they are dropped and the
@@ -71,6 +95,16 @@ class PCD(Harmonizer):
     primary to follow and the direction is zero (``fallback="primary_dropped"``), as TorchJD
     gives for g_1 = 0; the secondaries' averages are still updated.
 
+    "Infeasible" and "zero" are decided at the gradients' precision (``gram.eps``: the
+    stack's dtype, float32's at best for a Gram passed in; see ``_Precision`` here): a
+    certificate sum_j lambda_j u_j = 0 need only hold up to moving each u_j by the
+    coordinates' resolution, and d~ is zero below that resolution times the sizes
+    a_1 + sum_j lambda_j it is summed from. Why: float32 rows collinear up to their
+    rounding are collinear, and the exact solution for their rounded entries is ~1e8
+    times the constraints' size in a direction the rounding alone picked (orthogonal to
+    every gradient). ``kkt_residual`` is the largest constraint violation (counting the
+    eps-sized uncertainty of u_j . d~) or complementarity gap, relative to ||d~|| + max b.
+
     State, per objective in the caller's numbering: the moving average (kept as its root,
     a mantissa and a power of two, updated with hypot so no squared norm over- or
     underflows) and its own count of updates for the bias correction. A dropped objective
@@ -79,6 +113,10 @@ class PCD(Harmonizer):
     call, both are the same. ``tau`` is one float or one value per secondary objective
     (``tau[k - 1]`` for objective k).
     """
+
+    fallbacks: ClassVar[frozenset[str]] = frozenset(
+        {"infeasible", "zero_direction", "primary_dropped"}
+    )
 
     def __init__(
         self,
@@ -119,7 +157,7 @@ class PCD(Harmonizer):
             zeros = torch.zeros(len(names), dtype=torch.float64)
             return WeighResult(zeros, fallback="primary_dropped")
         coordinates = coordinates_from_cosines(gram.cosines.numpy())
-        solution = _solve(coordinates, sizes, taus, _GRAM_RANK_TOLERANCE)
+        solution = _solve(coordinates, sizes, taus, _Precision.of_gram(gram))
         return _weighting(solution, sizes, gram.norms.numpy())
 
     def refine(
@@ -139,7 +177,7 @@ class PCD(Harmonizer):
         names = [int(index) for index in objectives]
         sizes = np.asarray(weighting.extras["normalized_norms"])
         basis, coordinates, norms = coordinates_from_stack(jacobian[objectives.to(jacobian.device)])
-        solution = _solve(coordinates, sizes, self._taus(names), _STACK_RANK_TOLERANCE)
+        solution = _solve(coordinates, sizes, self._taus(names), _Precision.of_stack(gram))
         refined = _weighting(solution, sizes, norms / norms[0])
         if solution is None or refined.fallback == "zero_direction":
             return refined
@@ -217,14 +255,12 @@ def _weighting(solution: _Solution | None, sizes: np.ndarray, norms: np.ndarray)
         weights[0] = 1.0
         return WeighResult(weights, fallback="infeasible", extras={"normalized_norms": sizes})
     length = float(np.linalg.norm(solution.direction))
-    # Round-off in y: a few eps of the vectors it is summed from.
-    noise = _VIOLATION_TOLERANCE * count * (sizes[0] + float(np.linalg.norm(sizes[1:])))
     extras = {
         "normalized_norms": sizes,
         "multipliers": solution.multipliers / np.where(sizes[1:] > 0, sizes[1:], 1.0),
         "unscaled_norm": length,
     }
-    if length <= noise:
+    if length <= solution.noise:
         weights = torch.zeros(count, dtype=torch.float64)
         return WeighResult(weights, solution.kkt_residual, "zero_direction", extras)
     weights = np.empty(count)
@@ -234,89 +270,61 @@ def _weighting(solution: _Solution | None, sizes: np.ndarray, norms: np.ndarray)
 
 
 def _solve(
-    coordinates: np.ndarray, sizes: np.ndarray, taus: np.ndarray, rank_tolerance: float
+    coordinates: np.ndarray, sizes: np.ndarray, taus: np.ndarray, precision: _Precision
 ) -> _Solution | None:
-    """min 1/2 ||y - a_1 u_1||^2 s.t. u_j . y >= b_j = tau_j a_j, or None when infeasible.
+    """min 1/2 ||y - t||^2 s.t. u_j . y >= b_j = tau_j a_j (t = a_1 u_1), or None when
+    infeasible within ``precision``.
 
-    ``coordinates`` (r x K) hold the unit vectors u_i as columns (u_1 first). Active set on
-    the dual min_{lambda >= 0} 1/2 ||a_1 u_1 + U lambda||^2 - b . lambda (Lawson and Hanson's
-    scheme with a linear term): on an active set P of independent columns
-    U_P = L S V^T the stationary point is lambda_P = V (S^-2 V^T b_P - S^-1 L^T p) and
-    y = (I - L L^T) p + L S^-1 V^T b_P, formed without cancellation however large lambda.
-    A violated constraint that depends on the active ones (u_e = U_P z) makes the dual
-    fall linearly along (-z, 1): step until a multiplier with z_i > 0 reaches zero and swap
-    it out; with no z_i > 0, (1, -z) >= 0 combines the u's to zero while b_e - z . b_P > 0,
-    Farkas' certificate that no y satisfies the constraints.
+    ``coordinates`` (r x K) hold the unit vectors u_i as columns (u_1 first). With
+    y = t + z this is least-distance programming, min ||z|| s.t. U^T z >= h = b - U^T t,
+    solved by one NNLS (Lawson and Hanson 1974, ch. 23): x >= 0 minimizing
+    ||[U; h^T] x - e||, residual rho. Then z = U lambda with lambda = x / ||rho||^2, read
+    off rho (an orthogonal residual, no cancellation however large lambda). The
+    constraints are infeasible iff some x >= 0 has U x = 0 and b . x > 0 (Farkas); NNLS
+    finds such an x when there is one, and ||U x|| <= resolution sum_j x_j means moving
+    each u_j by the coordinates' resolution makes it one. NNLS terminates where an
+    active set on the dual may cycle (more constraints than dimensions).
     """
     target = sizes[0] * coordinates[:, 0]
-    columns = coordinates[:, 1:]
-    bounds = taus * sizes[1:]
-    count = columns.shape[1]
-    multipliers = np.zeros(count)
-    active = np.zeros(count, dtype=bool)
     usable = sizes[1:] > 0  # an underflowed a_j makes its constraint 0 >= 0
-    direction = target.copy()
-    iterations = 0
-    limit = 10 * count + 20
-    while iterations < limit:
-        slack = columns.T @ direction - bounds
-        noise = _VIOLATION_TOLERANCE * (np.linalg.norm(direction) + bounds)
-        candidates = usable & ~active & (slack < -noise)
-        if not candidates.any():
-            break
-        entering = int(np.argmin(np.where(candidates, slack, np.inf)))
-        active[entering] = True
-        while iterations < limit:
-            iterations += 1
-            left, singular, right = np.linalg.svd(columns[:, active], full_matrices=False)
-            if singular[-1] <= rank_tolerance * singular[0]:
-                others = active.copy()
-                others[entering] = False
-                dependence = np.linalg.lstsq(columns[:, others], columns[:, entering], rcond=None)
-                weights = np.zeros(count)
-                weights[others] = dependence[0]
-                blocking = weights > _DEPENDENCE_ZERO * float(np.max(np.abs(weights)))
-                if not blocking.any():
-                    return None
-                ratios = np.where(blocking, multipliers / np.where(blocking, weights, 1.0), np.inf)
-                leaving = int(np.argmin(ratios))
-                multipliers = multipliers - ratios[leaving] * weights
-                multipliers[entering] += ratios[leaving]
-                multipliers[leaving] = 0.0
-                active[leaving] = False
-                continue
-            rotated = right @ bounds[active]
-            along = left.T @ target
-            trial = np.zeros(count)
-            trial[active] = right.T @ (rotated / singular**2 - along / singular)
-            if np.all(trial[active] > 0.0):
-                multipliers = trial
-                direction = target - left @ along + left @ (rotated / singular)
-                break
-            shrinking = active & (trial <= 0.0)
-            step = np.min(
-                multipliers[shrinking] / (multipliers[shrinking] - trial[shrinking]),
-            )
-            multipliers = multipliers + step * (trial - multipliers)
-            active &= multipliers > 0.0
-            multipliers[~active] = 0.0
-            if not active.any():
-                direction = target.copy()
-                break
-    return _Solution(direction, multipliers, _kkt_residual(columns, bounds, multipliers, direction))
+    columns = coordinates[:, 1:][:, usable]
+    bounds = taus[usable] * sizes[1:][usable]
+    system = np.vstack([columns, bounds - columns.T @ target])
+    goal = np.zeros(len(system))
+    goal[-1] = -1.0
+    x, residual = _nonnegative_least_squares(system, goal, precision.resolution)
+    combination = residual[:-1]  # U x
+    if bounds @ x > 0 and np.linalg.norm(combination) <= precision.resolution * x.sum():
+        return None
+    squared = float(residual @ residual)  # 1 - h . x at the optimum
+    multipliers = np.zeros(len(sizes) - 1)
+    multipliers[usable] = x / squared
+    direction = target + combination / squared
+    # y is summed from a_1 u_1 and lambda_j u_j, each u known to eps.
+    summed = float(sizes[0]) + float(multipliers.sum())
+    kkt = _kkt_residual(
+        coordinates[:, 1:], taus * sizes[1:], multipliers, direction, precision.eps * summed
+    )
+    return _Solution(direction, multipliers, kkt, precision.resolution * summed)
 
 
 def _kkt_residual(
-    columns: np.ndarray, bounds: np.ndarray, multipliers: np.ndarray, direction: np.ndarray
+    columns: np.ndarray,
+    bounds: np.ndarray,
+    multipliers: np.ndarray,
+    direction: np.ndarray,
+    uncertainty: float,
 ) -> float:
     """Largest constraint violation and complementarity |lambda_j (u_j . y - b_j)|, relative
-    to ||y|| + max b (stationarity and lambda >= 0 hold by construction)."""
+    to ||y|| + max b (stationarity and lambda >= 0 hold by construction). ``uncertainty``
+    (how far u_j . y may move with the gradients' rounding) counts as violation: a
+    constraint met only within it is not known to be met."""
     if columns.shape[1] == 0:
         return 0.0
     scale = float(np.linalg.norm(direction)) + float(np.max(bounds))
     if scale == 0.0:
         return 0.0
     slack = columns.T @ direction - bounds
-    violation = max(0.0, float(np.max(-slack)))
+    violation = max(0.0, float(np.max(-slack))) + uncertainty
     complementarity = float(np.max(np.abs(multipliers * slack)))
     return max(violation / scale, complementarity / (scale * max(1.0, float(multipliers.sum()))))
