@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from mogradient._gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
+from mogradient.harmonizers.promises import LINEAR_UNDER_SCALING, PERMUTATION_INVARIANT
 from mogradient.harmonizers.upgrad import preferences_for
 
 _SCALE_MODES = ("min", "median", "rmse")
@@ -23,6 +26,8 @@ class AlignedMTL(Harmonizer):
     (``"rmse"``, as in the authors' code). Eigenvalues below max(lambda) * K * eps count
     as zero.
     """
+
+    promises: ClassVar[frozenset[str]] = frozenset({PERMUTATION_INVARIANT, LINEAR_UNDER_SCALING})
 
     def __init__(
         self,

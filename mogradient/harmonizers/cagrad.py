@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ from mogradient._gram import CosineGram
 from mogradient._qp_cone import near_dependent
 from mogradient._span import coordinates_from_cosines, coordinates_from_stack
 from mogradient.harmonizers.base import Harmonizer, WeighResult
+from mogradient.harmonizers.promises import LINEAR_UNDER_SCALING, PERMUTATION_INVARIANT
 
 _MAX_ITERATIONS = 200
 _EPS = float(np.finfo(np.float64).eps)
@@ -53,6 +55,9 @@ class CAGrad(Harmonizer):
     the paper). If 0 is in the convex hull of the gradients and c >= 1 the direction is
     zero (``fallback="pareto_stationary"``); if g0 is zero it is g0.
     """
+
+    promises: ClassVar[frozenset[str]] = frozenset({PERMUTATION_INVARIANT, LINEAR_UNDER_SCALING})
+    fallbacks: ClassVar[frozenset[str]] = frozenset({"pareto_stationary"})
 
     def __init__(self, c: float = 0.5, rescale: bool = False) -> None:
         if not (math.isfinite(c) and c >= 0):

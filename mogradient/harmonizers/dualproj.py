@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from mogradient._gram import CosineGram
 from mogradient._qp_cone import solve_cone_qp_factored
 from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
+from mogradient.harmonizers.promises import (
+    LINEAR_UNDER_SCALING,
+    NON_CONFLICTING,
+    PERMUTATION_INVARIANT,
+    STATIONARY_ZERO,
+)
 from mogradient.harmonizers.upgrad import (
     cone_problem,
     preferences_for,
@@ -24,6 +32,10 @@ class DualProj(Harmonizer):
     ``reg_eps > 0`` reproduces TorchJD's default projector (G / trace(G) + reg_eps * I;
     TorchJD uses 1e-4); the default 0 is exact. ``refine`` as in :class:`UPGrad`.
     """
+
+    promises: ClassVar[frozenset[str]] = frozenset(
+        {NON_CONFLICTING, PERMUTATION_INVARIANT, LINEAR_UNDER_SCALING, STATIONARY_ZERO}
+    )
 
     def __init__(
         self,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
 from mogradient._gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, WeighResult
+from mogradient.harmonizers.promises import LINEAR_UNDER_SCALING, PERMUTATION_INVARIANT
 
 
 class IMTLG(Harmonizer):
@@ -28,6 +30,9 @@ class IMTLG(Harmonizer):
     we divide by |sum(v)| instead (``fallback="negative_sum"``), keeping the common
     projection positive.
     """
+
+    promises: ClassVar[frozenset[str]] = frozenset({PERMUTATION_INVARIANT, LINEAR_UNDER_SCALING})
+    fallbacks: ClassVar[frozenset[str]] = frozenset({"degenerate", "negative_sum"})
 
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         count = len(gram)

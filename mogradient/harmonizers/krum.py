@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import torch
 
 from mogradient._gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, WeighResult
+from mogradient.harmonizers.promises import LINEAR_UNDER_SCALING
 
 
 class Krum(Harmonizer):
@@ -26,6 +29,10 @@ class Krum(Harmonizer):
     scores by plain distances, as TorchJD 0.18's Krum does.
     """
 
+    # Not permutation invariant: scores tie (with K = 3, f = 0 the two nearest always
+    # do), and a tie goes to the first in the caller's order.
+    promises: ClassVar[frozenset[str]] = frozenset({LINEAR_UNDER_SCALING})
+
     def __init__(self, n_byzantine: int = 0, n_selected: int = 1, squared: bool = True) -> None:
         if int(n_byzantine) != n_byzantine or n_byzantine < 0:
             raise ValueError(f"n_byzantine must be a non-negative integer, got {n_byzantine}")
@@ -35,14 +42,19 @@ class Krum(Harmonizer):
         self.n_selected = int(n_selected)
         self.squared = bool(squared)
 
+    @property
+    def required_objectives(self) -> int:
+        """Usable gradients a call needs: each scored one needs a neighbour beyond the
+        ``n_byzantine`` it may ignore, and ``n_selected`` must exist."""
+        return max(self.n_byzantine + 3, self.n_selected)
+
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         count = len(objectives)
         neighbours = count - self.n_byzantine - 2
-        if neighbours < 1 or self.n_selected > count:
+        if count < self.required_objectives:
             raise ValueError(
                 f"Krum with n_byzantine={self.n_byzantine} and n_selected={self.n_selected} "
-                f"needs at least {max(self.n_byzantine + 3, self.n_selected)} usable "
-                f"gradients, got {count}"
+                f"needs at least {self.required_objectives} usable gradients, got {count}"
             )
         norms = gram.norms.numpy()
         cosines = gram.cosines.numpy()

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from mogradient._gram import CosineGram
 from mogradient._qp import solve_simplex_qp_factored
 from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
+from mogradient.harmonizers.promises import (
+    LINEAR_UNDER_SCALING,
+    NON_CONFLICTING,
+    PERMUTATION_INVARIANT,
+    STATIONARY_ZERO,
+)
 
 
 class MGDA(Harmonizer):
@@ -19,6 +27,10 @@ class MGDA(Harmonizer):
     p_k * alpha_k*), ``alpha_floor`` mixes in a uniform share so every alpha_k >= floor;
     both trade the non-conflict guarantee for control and are off by default.
     """
+
+    promises: ClassVar[frozenset[str]] = frozenset(
+        {NON_CONFLICTING, PERMUTATION_INVARIANT, LINEAR_UNDER_SCALING, STATIONARY_ZERO}
+    )
 
     def __init__(
         self,

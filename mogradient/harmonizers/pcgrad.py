@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from mogradient._gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, WeighResult, seeded_generator
+from mogradient.harmonizers.promises import LINEAR_UNDER_SCALING
 
 
 class PCGrad(Harmonizer):
@@ -18,6 +21,8 @@ class PCGrad(Harmonizer):
     over D parameters. Raw weights are those coefficients divided by the norms.
     ``reduction="sum"`` follows the paper's Algorithm 1; ``"mean"`` divides by K.
     """
+
+    promises: ClassVar[frozenset[str]] = frozenset({LINEAR_UNDER_SCALING})
 
     def __init__(self, reduction: str = "sum", seed: int | None = None) -> None:
         if reduction not in ("sum", "mean"):

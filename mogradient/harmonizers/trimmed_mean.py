@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from mogradient.harmonizers._coordinatewise import SPAN_COLUMNS, CoordinatewiseHarmonizer
+from mogradient.harmonizers.promises import LINEAR_UNDER_SCALING, PERMUTATION_INVARIANT
 
 
 class TrimmedMean(CoordinatewiseHarmonizer):
@@ -21,18 +24,25 @@ class TrimmedMean(CoordinatewiseHarmonizer):
     (:mod:`mogradient.harmonizers._coordinatewise`).
     """
 
+    promises: ClassVar[frozenset[str]] = frozenset({PERMUTATION_INVARIANT, LINEAR_UNDER_SCALING})
+
     def __init__(self, trim_number: int = 1) -> None:
         if int(trim_number) != trim_number or trim_number < 0:
             raise ValueError(f"trim_number must be a non-negative integer, got {trim_number}")
         self.trim_number = int(trim_number)
 
+    @property
+    def required_objectives(self) -> int:
+        """Usable gradients a call needs: one left after trimming both ends."""
+        return 2 * self.trim_number + 1
+
     def direction_of(self, rows: torch.Tensor, objectives: torch.Tensor) -> torch.Tensor:
         count = len(rows)
         kept = count - 2 * self.trim_number
-        if kept < 1:
+        if count < self.required_objectives:
             raise ValueError(
                 f"TrimmedMean(trim_number={self.trim_number}) needs at least "
-                f"{2 * self.trim_number + 1} usable gradients, got {count}"
+                f"{self.required_objectives} usable gradients, got {count}"
             )
         direction = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
         for start in range(0, rows.shape[1], SPAN_COLUMNS):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -11,6 +11,12 @@ from mogradient._gram import CosineGram
 from mogradient._qp_cone import near_dependent, project_in_span, solve_cone_qp_factored
 from mogradient._span import coordinates_from_stack
 from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
+from mogradient.harmonizers.promises import (
+    LINEAR_UNDER_SCALING,
+    NON_CONFLICTING,
+    PERMUTATION_INVARIANT,
+    STATIONARY_ZERO,
+)
 
 
 class UPGrad(Harmonizer):
@@ -29,6 +35,10 @@ class UPGrad(Harmonizer):
     (:func:`mogradient._span.coordinates_from_stack`, one O(D K^2) factorization);
     ``refine=False`` keeps the Gram-only solve, cheaper for huge D.
     """
+
+    promises: ClassVar[frozenset[str]] = frozenset(
+        {NON_CONFLICTING, PERMUTATION_INVARIANT, LINEAR_UNDER_SCALING, STATIONARY_ZERO}
+    )
 
     def __init__(
         self,

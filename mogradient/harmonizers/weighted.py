@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from mogradient._gram import CosineGram
 from mogradient.harmonizers.base import Harmonizer, WeighResult, seeded_generator
+from mogradient.harmonizers.promises import LINEAR_UNDER_SCALING, PERMUTATION_INVARIANT
 
 
 class FixedWeights(Harmonizer):
@@ -17,6 +20,8 @@ class FixedWeights(Harmonizer):
     objectives present.
     ``weights=None`` is the plain sum: weight 1 for every objective present.
     """
+
+    promises: ClassVar[frozenset[str]] = frozenset({LINEAR_UNDER_SCALING})
 
     def __init__(self, weights: list[float] | torch.Tensor | None = None) -> None:
         self.weights = None if weights is None else _checked_weights(weights)
@@ -44,6 +49,8 @@ def _checked_weights(weights: list[float] | torch.Tensor) -> torch.Tensor:
 
 class Mean(Harmonizer):
     """Average of the usable gradients (equal weights 1/K)."""
+
+    promises: ClassVar[frozenset[str]] = frozenset({PERMUTATION_INVARIANT, LINEAR_UNDER_SCALING})
 
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         count = len(objectives)
