@@ -262,7 +262,7 @@ from mogradient_diffusion.rewards.geneval import GenEval, GenEvalStrict, _unpadd
 from mogradient_diffusion.rewards.local_weights import MissingWeightsError  # noqa: E402
 from mogradient_diffusion.rewards.registry import make_reward  # noqa: E402
 
-from .reward_models import save_tiny_clip  # noqa: E402
+from .reward_models import save_tiny_clip, save_tiny_mask2former  # noqa: E402
 
 LABELS = ("person", "dog", "cat", "traffic light", "keyboard")
 
@@ -270,35 +270,7 @@ LABELS = ("person", "dog", "cat", "traffic light", "keyboard")
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> dict[str, Path]:
     """Directories of a tiny random Mask2Former and CLIP, saved like the real checkpoints."""
-    torch.manual_seed(0)
-    detector_dir = tmp_path_factory.mktemp("mask2former")
-    swin = transformers.SwinConfig(
-        embed_dim=8,
-        depths=[1, 1, 1, 1],
-        num_heads=[1, 1, 1, 1],
-        window_size=4,
-        image_size=64,
-        out_features=["stage1", "stage2", "stage3", "stage4"],
-    )
-    config = transformers.Mask2FormerConfig(
-        backbone_config=swin,
-        feature_size=32,
-        mask_feature_size=32,
-        hidden_dim=32,
-        encoder_feedforward_dim=32,
-        encoder_layers=1,
-        decoder_layers=2,
-        num_attention_heads=2,
-        dim_feedforward=32,
-        num_queries=12,
-        id2label=dict(enumerate(LABELS)),
-        label2id={label: i for i, label in enumerate(LABELS)},
-    )
-    transformers.Mask2FormerForUniversalSegmentation(config).save_pretrained(detector_dir)
-    transformers.Mask2FormerImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(
-        detector_dir
-    )
-
+    detector_dir = save_tiny_mask2former(tmp_path_factory.mktemp("mask2former"), LABELS)
     clip_dir = save_tiny_clip(tmp_path_factory.mktemp("clip"))
     return {"path": detector_dir, "clip_path": clip_dir}
 
