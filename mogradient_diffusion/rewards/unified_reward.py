@@ -7,6 +7,10 @@ endpoint (vLLM, SGLang) and this reward sends one chat request per image: the im
 The reward is that score divided by 5, the references' scale, so it lies in [0.2, 1].
 Unlike the reference, a reply without a parseable score, or a request that keeps
 failing, raises :class:`RewardError` instead of silently scoring zero.
+
+The API key comes only from an environment variable (``api_key_env``, read per request):
+reward options are recorded in the run's ``config.yaml``, every checkpoint and ``eval``'s
+``summary.json``, so a key given as an option would be written to disk in clear text.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from .local_weights import MissingWeightsError
 from .registry import register_reward
 
 API_KEY_ENV = "UNIFIED_REWARD_API_KEY"
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 HOW_TO_SERVE = (
     "Start an OpenAI-compatible server for it, e.g. "
     "`vllm serve CodeGoat24/UnifiedReward-qwen-7b --port 17140 "
@@ -70,6 +75,25 @@ def png_data_url(image: np.ndarray, size: int) -> str:
     return "data:image;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def _checked_key_variable(name: str, api_key: str | None, api_key_env: str) -> str:
+    """``api_key_env`` once checked; a literal ``api_key`` is refused, since reward options
+    are written to disk (config.yaml, checkpoints, eval summaries). Neither error quotes
+    the values: one of them may be the key itself."""
+    valid = isinstance(api_key_env, str) and ENV_NAME.fullmatch(api_key_env) is not None
+    variable = api_key_env if valid else API_KEY_ENV
+    if api_key is not None:
+        raise ValueError(
+            f"{name}: the `api_key` option is refused because options are saved to disk in "
+            f"clear text; put the key in the environment variable {variable} instead"
+        )
+    if not valid:
+        raise ValueError(
+            f"{name}: api_key_env must be the name of an environment variable (letters, "
+            f"digits, underscores), e.g. {API_KEY_ENV}, not the key itself"
+        )
+    return api_key_env
+
+
 def _quote(text: str) -> str:
     return repr(text[:QUOTE_CHARS] + ("..." if len(text) > QUOTE_CHARS else ""))
 
@@ -79,8 +103,9 @@ class UnifiedReward(Reward):
     """UnifiedReward's 1-5 judgement of caption alignment and image quality, divided by 5.
 
     Options: ``base_url`` (the server's OpenAI API root, e.g. ``http://host:port/v1``;
-    required), ``model`` (served model name), ``api_key`` (sent as a Bearer token;
-    default: the ``UNIFIED_REWARD_API_KEY`` environment variable, if set), ``workers``
+    required), ``model`` (served model name), ``api_key_env`` (the environment variable
+    whose value, if set, is sent as a Bearer token; default ``UNIFIED_REWARD_API_KEY``;
+    a literal ``api_key`` is refused, see the module docstring), ``workers``
     (concurrent requests), ``image_size`` (side of the square image sent), ``timeout``
     (seconds per request), ``retries`` (further attempts after a failed request, with
     ``backoff`` seconds doubling between them), ``question`` (template with ``{prompt}``).
@@ -94,6 +119,7 @@ class UnifiedReward(Reward):
         base_url: str | None = None,
         model: str = "UnifiedReward-7b-v1.5",
         api_key: str | None = None,
+        api_key_env: str = API_KEY_ENV,
         workers: int = 8,
         image_size: int = 512,
         timeout: float = 60.0,
@@ -104,6 +130,7 @@ class UnifiedReward(Reward):
         batch_size: int | None = None,
     ):
         super().__init__(device, batch_size)
+        self.api_key_env = _checked_key_variable(self.name, api_key, api_key_env)
         if base_url is None:
             raise MissingWeightsError(
                 f"reward {self.name!r} queries a UnifiedReward model over HTTP but no "
@@ -121,7 +148,6 @@ class UnifiedReward(Reward):
             raise ValueError(f"{self.name}: the question must contain the placeholder {{prompt}}")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
-        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self.workers = workers
         self.image_size = image_size
         self.timeout = timeout
@@ -146,8 +172,9 @@ class UnifiedReward(Reward):
     def _post(self, body: dict[str, Any]) -> bytes:
         """POST ``body`` as JSON, retrying connection failures and transient statuses."""
         headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        api_key = os.environ.get(self.api_key_env)  # never kept on self: see the module doc
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         data = json.dumps(body).encode("utf-8")
         attempts = self.retries + 1
         for attempt in range(attempts):

@@ -336,15 +336,24 @@ def test_bad_options_raise() -> None:
 
 
 def test_api_key_sent_as_bearer(server: FakeVlmServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    reward_for(server, api_key="sk-explicit")(solid_images([0]), ["a score=3"])
     monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
+    monkeypatch.setenv("MY_JUDGE_KEY", "sk-named")
     reward_for(server)(solid_images([0]), ["a score=3"])
-    reward_for(server, api_key="sk-wins")(solid_images([0]), ["a score=3"])
+    reward_for(server, api_key_env="MY_JUDGE_KEY")(solid_images([0]), ["a score=3"])
     assert [r.headers.get("Authorization") for r in server.requests] == [
-        "Bearer sk-explicit",
         "Bearer sk-from-env",
-        "Bearer sk-wins",
+        "Bearer sk-named",
     ]
+
+
+def test_a_literal_api_key_is_refused() -> None:
+    with pytest.raises(ValueError, match=API_KEY_ENV):
+        UnifiedReward(base_url="http://127.0.0.1:1/v1", api_key="sk-literal")
+    with pytest.raises(ValueError, match="environment variable MY_JUDGE_KEY"):
+        UnifiedReward(base_url="http://127.0.0.1:1/v1", api_key="sk-x", api_key_env="MY_JUDGE_KEY")
+    with pytest.raises(ValueError, match="api_key_env") as info:
+        UnifiedReward(base_url="http://127.0.0.1:1/v1", api_key_env="sk-pasted-key")
+    assert "sk-pasted-key" not in str(info.value)
 
 
 def test_registered_and_empty_batch(server: FakeVlmServer) -> None:
