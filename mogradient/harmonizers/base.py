@@ -282,6 +282,17 @@ def _combine_in_float64(
     return direction
 
 
+def validated_flag(value: bool, name: str) -> bool:
+    """``value`` if it is a bool (numpy's too), else a ValueError naming the option.
+
+    ``bool(value)`` would read the string ``"false"`` (a quoted YAML value) as True and
+    silently run the other variant of the method.
+    """
+    if not isinstance(value, bool | np.bool_):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def validated_preferences(
     preferences: list[float] | torch.Tensor | None, name: str
 ) -> torch.Tensor | None:

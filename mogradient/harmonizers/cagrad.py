@@ -12,7 +12,7 @@ import torch
 from mogradient._gram import CosineGram
 from mogradient._qp_cone import near_dependent
 from mogradient._span import coordinates_from_cosines, coordinates_from_stack
-from mogradient.harmonizers.base import Harmonizer, WeighResult
+from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_flag
 from mogradient.harmonizers.promises import LINEAR_UNDER_SCALING, PERMUTATION_INVARIANT
 
 _MAX_ITERATIONS = 200
@@ -63,7 +63,7 @@ class CAGrad(Harmonizer):
         if not (math.isfinite(c) and c >= 0):
             raise ValueError(f"c must be a finite non-negative number, got {c}")
         self.c = float(c)
-        self.rescale = bool(rescale)
+        self.rescale = validated_flag(rescale, "rescale")
 
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         sizes = gram.norms.numpy()

@@ -10,7 +10,12 @@ import torch
 from mogradient._gram import CosineGram
 from mogradient._qp_cone import near_dependent
 from mogradient._span import coordinates_from_stack
-from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
+from mogradient.harmonizers.base import (
+    Harmonizer,
+    WeighResult,
+    validated_flag,
+    validated_preferences,
+)
 from mogradient.harmonizers.promises import (
     LINEAR_UNDER_SCALING,
     NON_CONFLICTING,
@@ -65,7 +70,7 @@ class ConFIG(Harmonizer):
         self, pref_vector: list[float] | torch.Tensor | None = None, refine: bool = True
     ) -> None:
         self.pref_vector = validated_preferences(pref_vector, "pref_vector")
-        self.refine_on_stack = bool(refine)
+        self.refine_on_stack = validated_flag(refine, "refine")
 
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         targets = preferences_for(self.pref_vector, objectives).numpy()

@@ -8,7 +8,12 @@ import torch
 
 from mogradient._gram import CosineGram
 from mogradient._qp_cone import solve_cone_qp_factored
-from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
+from mogradient.harmonizers.base import (
+    Harmonizer,
+    WeighResult,
+    validated_flag,
+    validated_preferences,
+)
 from mogradient.harmonizers.promises import (
     LINEAR_UNDER_SCALING,
     NON_CONFLICTING,
@@ -47,7 +52,7 @@ class DualProj(Harmonizer):
         self.pref_vector = validated_preferences(pref_vector, "pref_vector")
         self.reg_eps = validated_reg_eps(reg_eps)
         self.backend = backend
-        self.refine_on_stack = bool(refine)
+        self.refine_on_stack = validated_flag(refine, "refine")
 
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         lower = preferences_for(self.pref_vector, objectives).numpy()

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient.harmonizers.base import Harmonizer, WeighResult
+from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_flag
 from mogradient.harmonizers.promises import LINEAR_UNDER_SCALING
 
 
@@ -40,7 +40,7 @@ class Krum(Harmonizer):
             raise ValueError(f"n_selected must be a positive integer, got {n_selected}")
         self.n_byzantine = int(n_byzantine)
         self.n_selected = int(n_selected)
-        self.squared = bool(squared)
+        self.squared = validated_flag(squared, "squared")
 
     @property
     def required_objectives(self) -> int:

@@ -8,7 +8,12 @@ import torch
 
 from mogradient._gram import CosineGram
 from mogradient._qp import solve_simplex_qp_factored
-from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
+from mogradient.harmonizers.base import (
+    Harmonizer,
+    WeighResult,
+    validated_flag,
+    validated_preferences,
+)
 from mogradient.harmonizers.promises import (
     LINEAR_UNDER_SCALING,
     NON_CONFLICTING,
@@ -41,7 +46,7 @@ class MGDA(Harmonizer):
     ) -> None:
         if not 0.0 <= alpha_floor < 1.0:
             raise ValueError(f"alpha_floor must be in [0, 1), got {alpha_floor}")
-        self.normalize = normalize
+        self.normalize = validated_flag(normalize, "normalize")
         self.preferences = validated_preferences(preferences, "preferences")
         self.alpha_floor = float(alpha_floor)
         self.backend = backend

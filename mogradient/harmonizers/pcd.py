@@ -13,7 +13,7 @@ import torch
 from mogradient._gram import CosineGram
 from mogradient._qp_cone import _nonnegative_least_squares, near_dependent
 from mogradient._span import coordinates_from_cosines, coordinates_from_stack
-from mogradient.harmonizers.base import Harmonizer, WeighResult
+from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_flag
 
 _FLOAT64_EPS = float(np.finfo(np.float64).eps)
 
@@ -132,7 +132,7 @@ class PCD(Harmonizer):
             raise ValueError(f"eps must be finite and non-negative, got {eps}")
         self.beta = float(beta)
         self.eps = float(eps)
-        self.refine_on_stack = bool(refine)
+        self.refine_on_stack = validated_flag(refine, "refine")
         self.reset()
 
     def reset(self) -> None:

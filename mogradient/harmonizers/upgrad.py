@@ -10,7 +10,12 @@ import torch
 from mogradient._gram import CosineGram
 from mogradient._qp_cone import near_dependent, project_in_span, solve_cone_qp_factored
 from mogradient._span import coordinates_from_stack
-from mogradient.harmonizers.base import Harmonizer, WeighResult, validated_preferences
+from mogradient.harmonizers.base import (
+    Harmonizer,
+    WeighResult,
+    validated_flag,
+    validated_preferences,
+)
 from mogradient.harmonizers.promises import (
     LINEAR_UNDER_SCALING,
     NON_CONFLICTING,
@@ -50,7 +55,7 @@ class UPGrad(Harmonizer):
         self.pref_vector = validated_preferences(pref_vector, "pref_vector")
         self.reg_eps = validated_reg_eps(reg_eps)
         self.backend = backend
-        self.refine_on_stack = bool(refine)
+        self.refine_on_stack = validated_flag(refine, "refine")
 
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
         preferences = preferences_for(self.pref_vector, objectives).numpy()

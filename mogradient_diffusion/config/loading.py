@@ -8,9 +8,11 @@ says how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import math
+import os
 import re
 import types
 import typing
@@ -100,6 +102,8 @@ STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
     "pcgrad": _AMORTIZED,
 }
 HARMONIZER_OPTIONS = (*_AMORTIZED, "options")
+# Settings that name a file or folder: ``~`` and ``$VAR`` are expanded (``expand_paths``).
+PATH_KEYS = ("model.path", "prompts.directory", "run.directory")
 RUN_CONFIG_NAME = re.compile(r"config\.yaml|resume-\d+\.yaml")
 MAX_SEED = 2**63 - 1  # numpy and torch take any seed in [0, 2**63)
 
@@ -142,7 +146,7 @@ def load_config(
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-        raw = _merge_layer(raw, PRESETS[preset])
+        raw = _merge_layer(raw, _checked_sections(PRESETS[preset], f"preset {preset!r}"))
     if path is not None:
         raw = _merge_layer(raw, _read_yaml(Path(path)))
     command_line: dict[str, Any] = {}
@@ -153,8 +157,55 @@ def load_config(
         raw = _merge(raw, {"run": {"directory": str(home)}})
     raw = _merge_layer(raw, command_line)
     config = _build(TrainingConfig, raw, "config")
+    expand_paths(config)
     validate(config, world_size)
     return config
+
+
+def expand_path(value: str, key: str) -> str:
+    """``~`` and ``$VAR`` expanded, as a shell would: unexpanded, ``~/x`` becomes a folder
+    literally named ``~`` in the working directory. An unset variable is refused (it would
+    leave a folder named ``$VAR``)."""
+    expanded = os.path.expandvars(os.path.expanduser(value))
+    unset = re.search(r"\$(\w+|\{[^}]*\})", expanded)
+    if unset:
+        raise ConfigError(
+            f"{key}={value!r}: the environment variable {unset.group(0)} is not set; "
+            "set it or write the path out"
+        )
+    return expanded
+
+
+def expand_paths(config: TrainingConfig) -> None:
+    """Expand every path-valued setting in place, once, so that no part of the trainer
+    has to remember to: the sections' paths, prompt files and rewards' path options."""
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        holder = getattr(config, section)
+        if isinstance(getattr(holder, name), str):
+            setattr(holder, name, expand_path(getattr(holder, name), key))
+    for source in config.prompts.sources:
+        source.file = expand_path(source.file, f"prompts.sources {source.name!r} file")
+    for reward in config.rewards:
+        paths = _path_options(reward, config.reward_modules)
+        reward.options = {  # a new dict: the options may be a preset's own
+            option: expand_path(value, f"reward {reward.name!r} option {option}")
+            if option in paths and isinstance(value, str)
+            else value
+            for option, value in reward.options.items()
+        }
+
+
+def _path_options(reward: RewardConfig, modules: list[str]) -> list[str]:
+    """The reward's constructor parameters annotated as paths (``str | os.PathLike``), so
+    a new reward's path options are expanded without being listed here."""
+    from mogradient_diffusion.rewards import REWARDS
+
+    import_reward_modules(modules)
+    if reward.name not in REWARDS:
+        return []  # validate() names the unknown reward
+    parameters = inspect.signature(REWARDS[reward.name].__init__).parameters.values()
+    return [item.name for item in parameters if "PathLike" in str(item.annotation)]
 
 
 def run_home(path: Path) -> Path | None:
@@ -376,6 +427,8 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
     if strategy.name not in known:
         raise ConfigError(f"unknown strategy.name {strategy.name!r}; choose one of {sorted(known)}")
     _check_strategy_options(strategy)
+    if strategy.name not in STRATEGY_OPTIONS:
+        _check_harmonizer_options(strategy)
     if strategy.weights is not None and len(strategy.weights) != len(names):
         raise ConfigError(
             f"strategy.weights has {len(strategy.weights)} entries for {len(names)} rewards {names}"
@@ -406,6 +459,17 @@ def _check_strategy_options(strategy: StrategyConfig) -> None:
             f"strategy {strategy.name!r} does not use {', '.join(unused)}; remove it "
             f"(its options: {accepted})"
         )
+
+
+def _check_harmonizer_options(strategy: StrategyConfig) -> None:
+    """Build the harmonizer once: its own checks (a quoted ``"false"`` for a bool option,
+    an unknown option) then stop the run here, in one line, not after the model loads."""
+    from mogradient.harmonizers import make_harmonizer
+
+    try:
+        make_harmonizer(strategy.name, **strategy.options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"strategy.options of {strategy.name!r}: {error}") from None
 
 
 def _check_device(key: str, device: str) -> None:
@@ -439,9 +503,40 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping at the top level")
     base = data.pop("base", None)
+    data = _checked_sections(data, str(path))
     if base is not None:
+        if not isinstance(base, str) or not base:
+            raise ConfigError(f"{path}: `base:` must name a YAML file, got {base!r}")
         data = _merge_layer(_read_yaml(path.parent / base, (*seen, path.resolve())), data)
     return data
+
+
+@functools.cache
+def _sections() -> tuple[str, ...]:
+    """The top-level keys that hold a section of settings (a mapping): ``model``, ``run``..."""
+    hints = typing.get_type_hints(TrainingConfig)
+    return tuple(name for name, hint in hints.items() if dataclasses.is_dataclass(hint))
+
+
+def _checked_sections(layer: dict[str, Any], source: str) -> dict[str, Any]:
+    """``layer`` with its empty sections left out, or a ConfigError naming ``source``.
+
+    A section whose keys are all commented out reads as null: it changes nothing, so the
+    layer below keeps its section. Anything else that is not a mapping is refused, else a
+    later override of one key (``train.epochs=1``) would replace it and silently drop the
+    whole section of the layers below (a preset's, a ``base:`` file's).
+    """
+    checked = dict(layer)
+    for key in _sections():
+        value = checked.get(key)
+        if key in checked and value is None:
+            del checked[key]
+        elif key in checked and not isinstance(value, dict):
+            raise ConfigError(
+                f"{source}: `{key}:` must be a mapping of {key} settings (indented "
+                f"`name: value` lines), got {value!r}"
+            )
+    return checked
 
 
 def _parse_override(text: str) -> dict[str, Any]:
@@ -452,6 +547,11 @@ def _parse_override(text: str) -> dict[str, Any]:
         parsed = yaml.safe_load(value) if value else None
     except yaml.YAMLError as error:
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({error})") from None
+    if key in _sections() and not isinstance(parsed, dict):
+        raise ConfigError(
+            f"override {text!r}: {key} is a section of settings; set one of its keys "
+            f"({key}.<key>=value) or give a mapping ({key}={{key: value}})"
+        )
     nested: dict[str, Any] = parsed
     for part in reversed(key.split(".")):
         nested = {part: nested}
