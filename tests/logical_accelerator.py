@@ -91,6 +91,11 @@ class AcceleratorTensor(torch.Tensor):
         wrapper.data_cpu = data
         return wrapper
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # torch.save of a GPU tensor stores its data for the host to read back
+        # (map_location="cpu" gives a CPU tensor): pickle the data, not this class.
+        return self.data_cpu.__reduce_ex__(protocol)
+
     def tolist(self) -> list | float | int | bool:  # a GPU tensor copies to the host
         return self.data_cpu.tolist()
 

@@ -129,3 +129,13 @@ def test_packed_sequences_keep_their_lengths_on_the_host() -> None:
         got = got.cpu()
     # nn.GRU picks its path by device type: float32 round-off apart (1 ulp measured).
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_saved_accelerator_tensor_loads_on_the_host_weights_only(tmp_path) -> None:
+    """As torch.save of a GPU tensor read back with map_location='cpu': plain data, which
+    the safe unpickler accepts (checkpoints are loaded weights-only)."""
+    values = torch.arange(4.0)
+    with logical_accelerator() as device:
+        torch.save({"x": values.to(device)}, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", map_location="cpu", weights_only=True)
+    assert type(loaded["x"]) is torch.Tensor and torch.equal(loaded["x"], values)
