@@ -9,6 +9,18 @@ bit-flipped file is caught on load, and ``load_newest_intact`` falls back to the
 checkpoint that is whole; a renamed directory whose manifest is damaged counts as a
 damaged checkpoint, so damage never looks like a run with nothing saved. One process
 (rank 0) writes a run directory.
+
+Loading never runs code from the run directory: ``state.pt`` is read with torch's
+weights-only unpickler (tensors, containers, plain values). The SHA-256 protects against
+damage, not against a writer, who can rewrite it; so a state file asking to call anything
+else (a pickle ``__reduce__`` to ``os.system``) is refused outright with
+``UnsafeCheckpointError``, never passed over for an older checkpoint: such a file was
+written on purpose, and resuming quietly from another one would hide that the directory
+was tampered with.
+
+Exports (``lora/``, ``lora_ema/``) are written the same way (``write_export``): filled in
+a temporary sibling, recorded in ``export.json`` with the checkpoint step they come from,
+then renamed into place, so a half-written export is never taken for a finished one.
 """
 
 from __future__ import annotations
@@ -26,9 +38,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
+from torch.serialization import get_unsafe_globals_in_checkpoint
 
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
+EXPORT_RECORD = "export.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TEMP_PREFIX = ".tmp-"
@@ -161,12 +175,29 @@ def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> di
     """The state saved in checkpoint directory ``path``, with tensors on the CPU.
 
     ``weights_only`` (torch.load's safe unpickler) accepts tensors, containers and plain
-    numbers, which covers model and optimizer states; pass False only for
-    trusted checkpoints holding other objects.
+    numbers, which is all a checkpoint holds; a state file that would call anything else
+    raises ``UnsafeCheckpointError`` before any of it is unpickled. Pass False only to
+    read a checkpoint you wrote yourself (tests, debugging): it can run code.
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a checkpoint directory")
+    state_file = _checked_state_file(path)
+    if weights_only:
+        _refuse_unsafe(state_file)
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=weights_only)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise CorruptCheckpointError(f"{state_file} cannot be read: {_first_line(error)}") from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(
+            f"{state_file} holds a {type(state).__name__}, not a checkpoint's dict"
+        )
+    return state
+
+
+def _checked_state_file(path: Path) -> Path:
+    """``path``'s state file, once its manifest, size and SHA-256 agree (damage only)."""
     manifest = _read_manifest(path)
     match = _STEP_DIR.fullmatch(path.name)
     if manifest is None or (match is not None and manifest.get("step") != int(match.group(1))):
@@ -180,17 +211,48 @@ def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> di
         raise CorruptCheckpointError(
             f"{state_file} is missing or truncated (manifest says {expected} bytes)"
         )
-    checksum = manifest.get("sha256", {}).get(STATE_FILE)  # absent in older checkpoints
+    checksums = manifest.get("sha256")  # absent in older checkpoints
+    checksum = checksums.get(STATE_FILE) if isinstance(checksums, dict) else None
     if checksum is not None and _sha256(state_file) != checksum:
         raise CorruptCheckpointError(f"{state_file} does not match its manifest's SHA-256")
+    return state_file
+
+
+def _first_line(error: BaseException) -> str:
+    """torch's unpickling errors run to paragraphs; a refusal is one line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    detail = [line for line in lines if "WeightsUnpickler error" not in line]
+    if len(lines) > 1 and lines[0].startswith("Weights only load failed"):
+        detail = [line for line in lines[1:] if not line.startswith(("Please", "Check"))]
+        return "the weights-only unpickler rejects it: " + " ".join(detail)
+    return " ".join(detail) or repr(error)
+
+
+def _refuse_unsafe(state_file: Path) -> None:
+    """Raise ``UnsafeCheckpointError`` when unpickling ``state_file`` would call a function
+    outside torch's weights-only allowlist. Only the pickle's opcodes are read: nothing
+    in it runs. A file that is not a torch zip archive at all is left to torch.load, whose
+    weights-only unpickler rejects it as unreadable (damage) without running it either."""
     try:
-        return torch.load(state_file, map_location="cpu", weights_only=weights_only)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        raise CorruptCheckpointError(f"{state_file} cannot be read: {error}") from error
+        unsafe = get_unsafe_globals_in_checkpoint(state_file)
+    except (ValueError, RuntimeError, EOFError, pickle.UnpicklingError):
+        return
+    if unsafe:
+        raise UnsafeCheckpointError(
+            f"{state_file} was refused: loading it would call {', '.join(sorted(unsafe))}, "
+            "and a checkpoint holds only tensors and plain values (it was written to run "
+            "code, or by another program); nothing in it was run and no older checkpoint "
+            f"was used: delete {state_file.parent} if you do not trust it, or use a new "
+            "run.directory"
+        )
 
 
 class CorruptCheckpointError(OSError):
     """A checkpoint directory looks complete but its state file is damaged."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A state file that would call a function when loaded: refused, never passed over."""
 
 
 class Restored(NamedTuple):
@@ -204,19 +266,20 @@ class Restored(NamedTuple):
 def load_newest_intact(
     run_dir: str | os.PathLike,
     check: Callable[[dict[str, Any]], None] | None = None,
-    *,
-    weights_only: bool = True,
 ) -> Restored | None:
-    """The newest checkpoint that loads and passes ``check`` (which raises ValueError to
-    reject a state); None when the run has no checkpoint. A damaged latest checkpoint
-    must not end a run that an older intact one can resume, and damaged ones alone are an
-    error, never a fresh start (a damaged manifest included)."""
+    """The newest checkpoint that loads (weights only) and passes ``check`` (which raises
+    ValueError to reject a state); None when the run has no checkpoint. A damaged latest
+    checkpoint must not end a run that an older intact one can resume, and damaged ones
+    alone are an error, never a fresh start (a damaged manifest included). An unsafe one
+    (``UnsafeCheckpointError``) is raised at once: it is tampering, not damage."""
     passed_over = []
     for _, path in reversed(_checkpoint_dirs(run_dir)):
         try:
-            state = load_checkpoint(path, weights_only=weights_only)
+            state = load_checkpoint(path)
             if check is not None:
                 check(state)
+        except UnsafeCheckpointError:
+            raise
         except (CorruptCheckpointError, ValueError) as error:
             passed_over.append(f"{path.name}: {error}")
             continue
@@ -228,6 +291,67 @@ def load_newest_intact(
             + "); nothing was overwritten: repair or remove them, or use a new run.directory"
         )
     return None
+
+
+def write_export(final: str | os.PathLike, step: int, write: Callable[[Path], object]) -> Path:
+    """Write the export ``final`` (``lora/``) of checkpoint ``step`` atomically.
+
+    ``write`` fills a fresh temporary sibling; its files are fsynced and listed, with
+    ``step``, in ``export.json``; then it is renamed into place (an older export moved
+    aside first and removed after). A crash leaves the old export or the new one, never a
+    half-written folder under the final name, and ``export_is_current`` tells them apart.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(final.parent, f"{_TEMP_PREFIX}{final.name}-")
+    temporary = _temporary_sibling(final.parent, final.name)
+    try:
+        write(temporary)
+        files = {path.name: path.stat().st_size for path in sorted(temporary.iterdir())}
+        for name in files:
+            _fsync_file(temporary / name)
+        text = json.dumps({"format": FORMAT_VERSION, "step": step, "files": files}, indent=2)
+        _write_file(temporary / EXPORT_RECORD, lambda handle: handle.write(text.encode()))
+        _fsync_dir(temporary)
+        _replace_directory(temporary, final)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    _remove_leftovers(final.parent, f"{_TEMP_PREFIX}{final.name}-")
+    return final
+
+
+def export_is_current(final: str | os.PathLike, step: int) -> bool:
+    """Whether ``final`` is a whole export of checkpoint ``step``: its ``export.json``
+    names that step and every file it lists has the recorded size. An export of an
+    earlier step (the run went on), a damaged one or one without a record is not."""
+    try:
+        record = json.loads((Path(final) / EXPORT_RECORD).read_text())
+        files = record["files"]
+        if record["step"] != step or not files:
+            return False
+        return all((Path(final) / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _replace_directory(temporary: Path, final: Path) -> None:
+    """Rename ``temporary`` to ``final``, moving an existing ``final`` aside first."""
+    replaced = _temporary_sibling(final.parent, final.name + "-replaced")
+    if final.exists():
+        final.rename(replaced)
+    try:
+        os.replace(temporary, final)
+    except BaseException:
+        if replaced.exists():
+            replaced.rename(final)
+        raise
+    _fsync_dir(final.parent)
 
 
 def _remove_leftovers(checkpoints: Path, prefix: str = _TEMP_PREFIX) -> list[Path]:

@@ -3,6 +3,10 @@
 Everything stateful is saved: both adapters, the optimizer, the EMA, the strategy (cached
 weights), the objective (an advantage tracker) and the prompt stream, with the config.
 Restoring takes the config's optimizer and EMA settings, so a resume may change them.
+
+Every part is plain data (tensors, dicts, lists, numbers, strings), so a checkpoint loads
+with torch's weights-only unpickler and resuming never runs code from the run directory
+(``runs.checkpoint``). A state missing a part is damaged: it is passed over, named.
 """
 
 from __future__ import annotations
@@ -18,7 +22,13 @@ from mogradient_diffusion.config.loading import ConfigError, read_run_config
 from mogradient_diffusion.config.settings import TrainConfig
 from mogradient_diffusion.model.policy import Policy
 from mogradient_diffusion.prompts.sources import StratifiedPromptSampler
-from mogradient_diffusion.runs.checkpoint import Restored, load_newest_intact
+from mogradient_diffusion.runs.checkpoint import (
+    STATE_FILE,
+    CorruptCheckpointError,
+    Restored,
+    UnsafeCheckpointError,
+    load_newest_intact,
+)
 from mogradient_diffusion.runs.resume import check_resume
 from mogradient_diffusion.training.ema import ParameterEMA
 from mogradient_diffusion.training.finite import all_finite
@@ -76,11 +86,38 @@ class TrainingState:
         return int(state["epoch"]), int(state["optimizer_step"])
 
 
+# What every checkpoint holds (``objective`` only since 12: optional).
+REQUIRED_KEYS = (
+    "epoch",
+    "optimizer_step",
+    "default",
+    "old",
+    "optimizer",
+    "ema",
+    "strategy",
+    "sampler",
+    "config",
+)
+
+
 def check_finite_state(state: dict[str, Any]) -> None:
-    """Reject a checkpoint holding non-finite LoRA or EMA weights (a poisoned run)."""
-    tensors = [*state["default"].values(), *state["old"].values(), *state["ema"]["shadow"]]
-    if not all_finite(tensors):
+    """Reject a checkpoint missing a part (ValueError naming it, so it is passed over
+    like a damaged one rather than a KeyError traceback) or holding non-finite LoRA or
+    EMA weights (a poisoned run)."""
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"it has no {', '.join(map(repr, missing))} entry")
+    try:
+        tensors = [*state["default"].values(), *state["old"].values(), *state["ema"]["shadow"]]
+        finite = all_finite(tensors)
+    except (KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"its LoRA or EMA weights are malformed ({_describe(error)})") from None
+    if not finite:
         raise ValueError("it holds non-finite LoRA or EMA weights")
+
+
+def _describe(error: Exception) -> str:
+    return f"no {error.args[0]!r} entry" if isinstance(error, KeyError) else str(error)
 
 
 def saved_run(
@@ -93,7 +130,10 @@ def saved_run(
     """The newest intact checkpoint and the config changes resuming it applies (None
     for a new run), checked before any model loads. A run directory whose config.yaml
     has no checkpoint yet is checked too."""
-    restored = load_newest_intact(run_dir, check_finite_state, weights_only=False)
+    try:
+        restored = load_newest_intact(run_dir, check_finite_state)
+    except UnsafeCheckpointError as error:  # the user's to fix (exit 2), not a failed run
+        raise ConfigError(str(error)) from None
     if restored is not None:
         saved = restored.state["config"]
     elif (run_dir / "config.yaml").exists():
@@ -102,9 +142,15 @@ def saved_run(
         return None, None
     changes = check_resume(saved, config, run_dir, allow_config_change)
     if restored is not None:
-        _check_prompts(
-            run_dir, restored.state["sampler"], prompt_sampler, allow_config_change, warn
-        )
+        try:
+            _check_prompts(
+                run_dir, restored.state["sampler"], prompt_sampler, allow_config_change, warn
+            )
+        except (KeyError, TypeError, AttributeError) as error:
+            raise CorruptCheckpointError(
+                f"{restored.path / STATE_FILE}: its prompt sampler state is malformed "
+                f"({_describe(error)}); remove that checkpoint or use a new run.directory"
+            ) from None
     return restored, changes
 
 

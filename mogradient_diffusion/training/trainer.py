@@ -22,6 +22,7 @@ resumes (``training.state``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -63,10 +64,14 @@ from mogradient_diffusion.rewards import RewardSet, make_reward
 from mogradient_diffusion.rewards.background import BackgroundScoring
 from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.runs.checkpoint import (
+    STATE_FILE,
+    CorruptCheckpointError,
     Restored,
+    export_is_current,
     keep_last,
     latest_checkpoint,
     save_checkpoint,
+    write_export,
 )
 from mogradient_diffusion.runs.metrics_log import RunLog
 from mogradient_diffusion.runs.resume import write_resume_record
@@ -84,6 +89,8 @@ from mogradient_diffusion.training.step_gradients import StepGradients
 from mogradient_diffusion.training.strategies import Strategy, build_strategy
 
 LossStream = Iterator[tuple[float, CombinableLoss]]
+# The exported adapters: the trained weights and their EMA.
+EXPORTS = {"lora": "trained", "lora_ema": "ema"}
 # Each optimizer step's timers, summed per epoch. The conflict probe's extra gradients are
 # a measurement, not part of any method's cost: apart, in time/probe.
 
@@ -128,7 +135,7 @@ class TrainerCallback:
 
 
 class RunComplete(Exception):
-    """The run already has the epochs asked for: there is nothing to train."""
+    """The run already has the epochs asked for, and their exports: nothing to do."""
 
 
 class Trainer:
@@ -160,12 +167,9 @@ class Trainer:
         self._restored, self._resume_changes = saved_run(
             self.run_dir, config.to_dict(), self.prompt_sampler, allow_config_change, self._warn
         )
-        if self._restored is not None and self._restored.state["epoch"] >= config.train.epochs:
-            raise RunComplete(
-                f"{self.run_dir} is already at epoch {self._restored.state['epoch']} "
-                f"(train.epochs={config.train.epochs}): nothing to train, nothing written; "
-                "raise train.epochs to continue"
-            )
+        # A complete run whose export was cut short (a kill between the last checkpoint
+        # and lora/) still loads the policy: run() finishes the export, nothing else.
+        self._export_only = self._run_complete(config.train.epochs)
         model_path = self._model_path()
         torch.manual_seed(config.run.seed)  # same LoRA init everywhere, whatever ran before
         try:
@@ -226,10 +230,14 @@ class Trainer:
 
     # ----------------------------------------------------------------- run
     def run(self) -> Path:
-        """Train from the latest checkpoint (if any) to the configured number of epochs."""
-        if self._restored is not None:
-            self._restore(self._restored)
+        """Train from the latest checkpoint (if any) to the configured number of epochs,
+        then export; for a complete run whose export is missing, only export."""
+        restored = self._restored
+        if restored is not None:
+            self._restore(restored)
             self._restored = None  # the state is loaded; free it
+        if self._export_only and restored is not None:
+            return self._finish_export(restored.path)
         changes = self._resume_changes
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -678,7 +686,15 @@ class Trainer:
             self._warn(f"checkpoint passed over: {reason}")
         if restored.passed_over:
             self._warn(f"resuming from {restored.path}")
-        self.epoch, self.optimizer_step = self.state.restore(restored.state, self.config.train)
+        try:
+            self.epoch, self.optimizer_step = self.state.restore(restored.state, self.config.train)
+        except (KeyError, ValueError) as error:  # one line naming the part, no traceback
+            reason = f"it has no {error.args[0]!r} entry" if isinstance(error, KeyError) else error
+            raise CorruptCheckpointError(
+                f"{restored.path / STATE_FILE} cannot be restored: {reason}; nothing was "
+                "overwritten: remove that checkpoint to resume from an older one, or use a "
+                "new run.directory"
+            ) from None
         epochs = self.world.all_gather_rows(torch.tensor([self.epoch], device=self.world.device))
         if (epochs != self.epoch).any():
             raise RuntimeError(
@@ -694,9 +710,48 @@ class Trainer:
             self.policy.load_lora_state(adapter, state)
 
     def _export_lora(self) -> None:
-        self.policy.save_lora(self.run_dir / "lora", adapter="default")
-        with self.ema.swap_in():
-            self.policy.save_lora(self.run_dir / "lora_ema", adapter="default")
+        """``lora/`` and ``lora_ema/`` of epoch ``self.epoch``, each written atomically
+        and recorded with that epoch, so an interrupted export is redone, never kept."""
+        for name, weights in EXPORTS.items():
+            with self.ema.swap_in() if weights == "ema" else contextlib.nullcontext():
+                write_export(
+                    self.run_dir / name,
+                    self.epoch,
+                    lambda folder: self.policy.save_lora(folder, adapter="default"),
+                )
+
+    def _run_complete(self, epochs: int) -> bool:
+        """Raise RunComplete when the saved run has ``epochs`` epochs and its exports are
+        those of its last checkpoint; True when it has them but an export is missing."""
+        if self._restored is None or self._restored.state["epoch"] < epochs:
+            return False
+        epoch = self._restored.state["epoch"]
+        if not missing_exports(self.run_dir, epoch):
+            raise RunComplete(
+                f"{self.run_dir} is already at epoch {epoch} (train.epochs={epochs}): "
+                "nothing to train, nothing written; raise train.epochs to continue"
+            )
+        return True
+
+    def _finish_export(self, checkpoint: Path) -> Path:
+        """Export a complete run from ``checkpoint`` (already restored), saying so."""
+        if self.world.is_main:
+            missing = [f"{name}/" for name in missing_exports(self.run_dir, self.epoch)]
+            self._export_lora()
+            tqdm.write(
+                f"mogradient-diffusion: {self.run_dir} was complete at epoch {self.epoch} "
+                f"but {' and '.join(missing)} {'was' if len(missing) == 1 else 'were'} "
+                f"missing or unfinished (stopped while exporting?): exported again from "
+                f"checkpoint {checkpoint.name}; nothing trained",
+                file=sys.stderr,
+            )
+        self.world.barrier()
+        return self.run_dir
+
+
+def missing_exports(run_dir: Path, epoch: int) -> list[str]:
+    """The exports of ``run_dir`` that are not whole exports of checkpoint ``epoch``."""
+    return [name for name in EXPORTS if not export_is_current(run_dir / name, epoch)]
 
 
 def build_rewards(config: TrainingConfig) -> RewardSet:
