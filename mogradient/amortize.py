@@ -14,7 +14,7 @@ import torch
 
 from mogradient.ema import WeightEMA
 from mogradient.errors import SolverError
-from mogradient.harmonizers.base import Harmonization, Harmonizer
+from mogradient.harmonizers.base import Harmonization, Harmonizer, validated_flag
 
 logger = logging.getLogger("mogradient.amortize")
 
@@ -76,7 +76,7 @@ class Amortizer:
         self.period = int(period)
         self.warmup_steps = int(warmup_steps)
         self.ema = WeightEMA(rho)
-        self.smooth_solve_steps = bool(smooth_solve_steps)
+        self.smooth_solve_steps = validated_flag(smooth_solve_steps, "smooth_solve_steps")
         self.step = 0
         self._steps_since_solve: int | None = None
 

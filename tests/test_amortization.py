@@ -284,3 +284,13 @@ def test_nash_mtl_on_an_opposed_float32_pair_leaves_no_cache() -> None:
     step = amortizer.full_step(torch.stack([x, -1.3 * x]))
     assert not step.solved and step.fallback is not None
     assert amortizer.ema.value is None
+
+
+def test_boolean_options_refuse_strings() -> None:
+    """'false' from a quoted YAML value must not switch the ablation on."""
+    from mogradient.scalarizations import MoCo
+
+    with pytest.raises(ValueError, match="smooth_solve_steps must be True or False"):
+        Amortizer(MGDA(), smooth_solve_steps="false")
+    with pytest.raises(ValueError, match="normalize must be True or False"):
+        MoCo(2, [torch.zeros(3, requires_grad=True)], normalize="false")

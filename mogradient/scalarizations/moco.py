@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from mogradient.harmonizers._simplex import project_to_simplex
+from mogradient.harmonizers.base import validated_flag
 from mogradient.scalarizations._shared import redirect_shared, shared_gradients, shared_parameters
 from mogradient.scalarizations.base import (
     Scalarization,
@@ -70,7 +71,7 @@ class MoCo(Scalarization):
         self.gamma = positive(gamma, "gamma")
         self.gamma_sigma = non_negative(gamma_sigma, "gamma_sigma")
         self.rho = non_negative(rho, "rho")
-        self.normalize = bool(normalize)
+        self.normalize = validated_flag(normalize, "normalize")
         first = self._shared[0]
         size = sum(parameter.numel() for parameter in self._shared)
         self.register_buffer(
