@@ -103,10 +103,15 @@ def _range_problems(settings: EvalSettings) -> list[str]:
         for name in POSITIVE
         if getattr(settings, name) is not None and getattr(settings, name) < 1
     ]
-    if settings.guidance_scale < 0:
-        problems.append(f"--guidance-scale must be >= 0, got {settings.guidance_scale}")
-    if settings.guidance is not None and not settings.guidance > 0:
-        problems.append(f"--guidance must be > 0, got {settings.guidance}")
+    # Written as `not x >= 0`, so NaN (which fails every comparison) is refused too.
+    if not (settings.guidance_scale >= 0 and math.isfinite(settings.guidance_scale)):
+        problems.append(
+            f"--guidance-scale must be a finite number >= 0, got {settings.guidance_scale}"
+        )
+    if settings.guidance is not None and not (
+        settings.guidance > 0 and math.isfinite(settings.guidance)
+    ):
+        problems.append(f"--guidance must be a finite number > 0, got {settings.guidance}")
     size = settings.resolution
     if size is not None and (size <= 0 or size % 16):
         problems.append(f"--resolution must be a positive multiple of 16 (SD3), got {size}")

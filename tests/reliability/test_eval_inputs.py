@@ -60,6 +60,7 @@ def _lora_copy(trained_run: Path, target: Path, change=None) -> Path:
         ("bad device", "is not a device"),
         ("bad resolution", "--resolution must be a positive multiple of 16"),
         ("zero steps", "--steps must be >= 1, got 0"),
+        ("nan guidance scale", "--guidance-scale must be a finite number >= 0, got nan"),
         ("bad metric option", "bad --metric-option"),
         ("no model", "--model is required"),
     ],
@@ -78,6 +79,7 @@ def test_eval_input_errors_are_one_line_before_the_pipeline_loads(
         "bad device": [*model, "--device", "gpu0"],
         "bad resolution": [*model, "--resolution", "100"],
         "zero steps": [*model, "--steps", "0"],
+        "nan guidance scale": [*model, "--guidance-scale", "nan"],
         "bad metric option": [*model, "--metric-option", "jpeg_incompressibility.quality=["],
         "no model": [],
     }.get(case, [*model, "--lora", str(lora)])
