@@ -275,3 +275,18 @@ def test_the_documented_table_is_the_declarations() -> None:
     assert set(rows) == set(HARMONIZERS)
     for name, cls in HARMONIZERS.items():
         assert rows[name] == (set(cls.promises), set(cls.fallbacks)), name
+
+
+@pytest.mark.parametrize("name", sorted(HARMONIZERS))
+def test_a_state_round_trips_and_a_foreign_one_is_refused(name: str) -> None:
+    """load_state_dict({}) or {'bogus': 1} left seven stateful methods silently fresh."""
+    stack = _cases("typical", torch.float64)[-1]  # K = 5: every method's minimum
+    first, second = _harmonizer(name), _harmonizer(name)
+    first(stack)
+    second.load_state_dict(first.state_dict())
+    torch.testing.assert_close(second(stack).direction, first(stack).direction)
+    if first.state_dict():
+        with pytest.raises(ValueError, match="missing"):
+            _harmonizer(name).load_state_dict({})
+    with pytest.raises(ValueError, match="unknown"):
+        _harmonizer(name).load_state_dict({**first.state_dict(), "bogus": 1})

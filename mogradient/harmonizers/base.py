@@ -182,6 +182,15 @@ class Harmonizer(ABC):
         return {} if generator is None else {"generator": generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; a state with other entries is refused
+        (an empty or foreign dict would otherwise leave the method silently fresh)."""
+        expected, given = set(self.state_dict()), set(state)
+        if given != expected:
+            missing, unknown = sorted(expected - given), sorted(given - expected)
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: not a state of this method "
+                f"(missing {missing}, unknown {unknown}); pass what state_dict() returned"
+            )
         if "generator" in state:
             self._generator.set_state(state["generator"])
 
