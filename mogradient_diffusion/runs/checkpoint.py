@@ -110,16 +110,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
         text = json.dumps(manifest, indent=2).encode()
         _write_file(temporary / MANIFEST_FILE, lambda handle: handle.write(text))
         _fsync_dir(temporary)
-        replaced = _temporary_sibling(checkpoints, final.name + "-replaced")
-        if final.exists():
-            final.rename(replaced)
-        try:
-            os.replace(temporary, final)
-        except BaseException:
-            if replaced.exists():
-                replaced.rename(final)
-            raise
-        _fsync_dir(checkpoints)
+        _replace_directory(temporary, final)
     except OSError as error:  # a full disk: name the checkpoint, not a bare handle
         shutil.rmtree(temporary, ignore_errors=True)
         raise OSError(error.errno, error.strerror or str(error), str(final)) from error
