@@ -9,7 +9,15 @@ import os
 from pathlib import Path
 
 import pytest
-from diffusion.test_unified_reward import FakeVlmServer, server, solid_images  # noqa: F401
+
+# server: the fake judge on 127.0.0.1; _no_proxy_or_key (autouse here too): loopback goes
+# direct and no ambient key is set.
+from diffusion.test_unified_reward import (  # noqa: F401
+    FakeVlmServer,
+    _no_proxy_or_key,
+    server,
+    solid_images,
+)
 
 from mogradient_diffusion.cli import main
 from mogradient_diffusion.rewards.registry import make_reward
@@ -22,15 +30,6 @@ from .test_run_lock import _holder
 
 SECRET = "sk-do-not-write-me-0123456789"
 IN_USE = "is in use by"
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy_or_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loopback requests go direct; no ambient key."""
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("ALL_PROXY", raising=False)
-    monkeypatch.delenv(API_KEY_ENV, raising=False)
 
 
 def test_deleting_the_lock_file_does_not_let_a_second_trainer_in(tmp_path: Path) -> None:
