@@ -44,7 +44,7 @@ mini-objectives: $(STAMP)
 # into a temporary folder), then the whole test suite.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	tmp=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir "$$tmp"; \
+	tmp=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir "$$tmp"; \
 		status=$$?; rm -rf "$$tmp"; exit $$status
 	$(PY) -m pytest
 

@@ -17,7 +17,7 @@ class GradDrop(CoordinatewiseHarmonizer):
     found): per coordinate, the positive sign purity
     P = (1 + sum_k g_k / sum_k |g_k|) / 2 is the chance of keeping the positive values;
     with U ~ Uniform(0, 1) drawn per coordinate, the mask is
-    M_k = [f(P) > U][g_k > 0] + [f(P) < U][g_k < 0] and the update is
+    ``M_k = [f(P) > U][g_k > 0] + [f(P) < U][g_k < 0]`` (Iverson brackets) and the update is
     sum_k (l_k + (1 - l_k) M_k) g_k with leaks l_k (default 0). ``purity_map`` is the
     paper's f (default: identity). With zero leaks every coordinate of the update sums
     gradient values of a single sign, chosen with probability f(P); nothing keeps the
