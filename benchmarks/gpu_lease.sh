@@ -2,12 +2,13 @@
 # The GPU benchmark in one command on a lent machine (docs/benchmarks/gpu.md):
 #
 #   bash benchmarks/gpu_lease.sh [--smoke] [--shape sd35m|flux1dev|qwen_image] [--budget S]
-#                                [-- BENCH_GPU_ARGS...]
+#                                [--skip-quick] [-- BENCH_GPU_ARGS...]
 #
 # 1. $OUT/env.txt first: GPU, driver, packages, attention kernels, TF32.
 # 2. The wheels in .whl/ (`make gpu-wheels`, carried with the call) installed into a
 #    temporary folder put on PYTHONPATH with the repo: the machine has no network.
 # 3. A fail-fast --quick pass at the real shape ($OUT/quick.log); it stops here on failure.
+#    --skip-quick leaves it out: for a second call at a commit whose quick pass has passed.
 # 4. The measurement, finished within S seconds of the start (default 480), torchrun check
 #    last ($OUT/bench.log, results JSON and markdown rewritten as it goes).
 # --smoke runs the same path on a CPU with the shape's tiny twin (tests/test_bench_gpu.py).
@@ -93,6 +94,7 @@ explain() {
 }
 
 SMOKE=0
+SKIP_QUICK=0
 SHAPE=sd35m
 BUDGET=480
 ARGUMENTS="$*"
@@ -100,6 +102,7 @@ bench_args=()
 while (($#)); do
   case "$1" in
     --smoke) SMOKE=1 ;;
+    --skip-quick) SKIP_QUICK=1 ;;
     --shape) SHAPE=${2:?--shape needs a value}; shift ;;
     --shape=*) SHAPE=${1#*=} ;;
     --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
@@ -138,18 +141,23 @@ write_env_header
 install_wheels
 "$PYTHON" benchmarks/gpu_lease.py env --wheels "$WHEELS" >>"$ENV_FILE" 2>&1 ||
   echo "environment report: FAILED (exit $?)" >>"$ENV_FILE"
-echo "gpu_lease: wrote $ENV_FILE; quick pass of --shape $RUN_SHAPE"
+echo "gpu_lease: wrote $ENV_FILE"
 
 status=0
-timeout --kill-after=10 "$QUICK_TIMEOUT" "$PYTHON" benchmarks/bench_gpu.py \
-  --shape "$RUN_SHAPE" "${device_args[@]}" --quick --strict --out "$QUICK_DIR" \
-  >"$OUT/quick.log" 2>&1 || status=$?
-((status == 0)) || fail "quick pass FAILED, $(explain "$status" "$OUT/quick.log") (log: $OUT/quick.log)"
+if ((SKIP_QUICK)); then
+  echo "quick pass: skipped (--skip-quick)" >>"$ENV_FILE"
+else
+  echo "gpu_lease: quick pass of --shape $RUN_SHAPE"
+  timeout --kill-after=10 "$QUICK_TIMEOUT" "$PYTHON" benchmarks/bench_gpu.py \
+    --shape "$RUN_SHAPE" "${device_args[@]}" --quick --strict --out "$QUICK_DIR" \
+    >"$OUT/quick.log" 2>&1 || status=$?
+  ((status == 0)) || fail "quick pass FAILED, $(explain "$status" "$OUT/quick.log") (log: $OUT/quick.log)"
+fi
 
 remaining=$((BUDGET - SECONDS - STARTUP_MARGIN))
 ((remaining >= MIN_MEASURE)) ||
   fail "only ${remaining} s of the ${BUDGET} s budget left after the quick pass: not measuring"
-echo "gpu_lease: quick pass passed in ${SECONDS} s; measuring for at most ${remaining} s"
+echo "gpu_lease: ready in ${SECONDS} s; measuring for at most ${remaining} s"
 timeout --kill-after=10 "$((remaining + HARD_GRACE))" "$PYTHON" benchmarks/bench_gpu.py \
   --shape "$RUN_SHAPE" "${device_args[@]}" "${size_args[@]}" --budget "$remaining" \
   --ddp-timeout "$DDP_TIMEOUT" --out "$OUT" "${bench_args[@]}" >"$OUT/bench.log" 2>&1 ||

@@ -388,6 +388,27 @@ def test_lease_quick_pass_failure_ends_with_one_line(tmp_path: Path) -> None:
     assert sorted(path.name for path in out.iterdir()) == ["env.txt", "quick.log"]
 
 
+def test_lease_skip_quick_goes_straight_to_the_measurement(tmp_path: Path) -> None:
+    """``--skip-quick`` (a second call at a commit whose quick pass passed): no quick pass,
+    env.txt says so, and the measurement runs; here it fails, as the released shape needs
+    a GPU, and says so in its one line."""
+    out = tmp_path / "out"
+    environment = {**ENVIRONMENT, "OUT": str(out), "PYTHON": sys.executable}
+    environment["WHEELS"] = str(tmp_path / "none")
+    result = subprocess.run(
+        ["bash", str(LEASE), "--shape", "flux1dev", "--skip-quick"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "quick pass" not in result.stdout
+    assert result.stderr.strip().startswith("gpu_lease: measurement FAILED, exit 2: bench_gpu.py")
+    assert sorted(path.name for path in out.iterdir()) == ["bench.log", "env.txt"]
+    assert "quick pass: skipped (--skip-quick)" in (out / "env.txt").read_text()
+
+
 @pytest.mark.skipif(
     not (BENCHMARKS.parent / ".git").exists(), reason="what travels is what git lists"
 )
