@@ -26,7 +26,8 @@ def epoch_record(
     record: dict[str, Any] = dict(times)
     for index, name in enumerate(reward_names):
         column = all_rewards[:, index]
-        valid = column[~torch.isnan(column)]
+        # In float64: float32 rewards near its maximum (3.4e38) overflow a float32 sum.
+        valid = column[~torch.isnan(column)].double()
         record[keys.reward_mean(name)] = float(valid.mean()) if len(valid) else float("nan")
         population_std = float(valid.std(unbiased=False)) if len(valid) else float("nan")
         record[keys.reward_std(name)] = population_std

@@ -141,3 +141,19 @@ def test_a_poisoned_checkpoint_is_never_resumed(run_copy: Path, tiny_pipeline_di
     trainer = _trainer(run_copy, tiny_pipeline_dir, PoisonedWorld(set()), "train.epochs=3")
     assert trainer._restored.path.name == "step_00000001"
     assert "non-finite" in trainer._restored.passed_over[0]
+
+
+@pytest.mark.parametrize("scale", [1e38, 3e38])
+def test_reward_means_near_the_float32_maximum_are_logged_finite(scale: float) -> None:
+    """Float32 rewards near 3.4e38 overflowed a float32 mean to inf, logged as null."""
+    from mogradient_diffusion.runs import metric_keys as keys
+    from mogradient_diffusion.training.records import epoch_record
+
+    rewards = torch.full((8, 1), scale, dtype=torch.float32)
+    rewards[::2] *= 0.5
+    record = epoch_record(["big"], ["big"], rewards, {}, {}, [False], [], {}, 0.0)
+    expected = rewards.double()
+    assert record[keys.reward_mean("big")] == pytest.approx(float(expected.mean()), rel=1e-12)
+    assert record[keys.reward_std("big")] == pytest.approx(
+        float(expected.std(unbiased=False)), rel=1e-12
+    )
