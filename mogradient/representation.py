@@ -12,13 +12,14 @@ only from there into the trunk.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
 
 from mogradient.errors import UnusedParameterError
-from mogradient.gradients import write_gradient
+from mogradient.gradients import all_finite, write_gradient
 from mogradient.harmonizers.base import Harmonization, Harmonizer
 
 Mode = Literal["trunk", "features"]
@@ -88,7 +89,8 @@ def mtl_backward(
     parameter sets, and ``mode="features"`` with a coordinate-wise harmonizer
     (TrimmedMean, GradDrop: their weights do not give their direction);
     :class:`~mogradient.errors.UnusedParameterError` for a shared parameter no loss
-    reaches. Nothing is written to ``.grad`` when it raises.
+    reaches, and ``ValueError`` for a NaN/Inf loss, head gradient or trunk direction.
+    Nothing is written to ``.grad`` when it raises.
     """
     if not isinstance(harmonizer, Harmonizer):
         raise TypeError(f"harmonizer must be a mogradient Harmonizer, got {type(harmonizer)}")
@@ -134,10 +136,11 @@ def mtl_backward(
         harmonization = harmonizer(torch.stack(flat))
         direction = _weighted_sum_gradient(losses, harmonization.weights, shared, retain_graph)
 
+    _check_finite_head_gradients(heads, head_grads)
+    write_gradient(shared, direction, accumulate=True)  # raises, writing nothing, on NaN/Inf
     for head, grads in zip(heads, head_grads, strict=True):
         for parameter, grad in zip(head, grads, strict=True):
             parameter.grad = grad if parameter.grad is None else parameter.grad + grad
-    write_gradient(shared, direction, accumulate=True)
     return harmonization
 
 
@@ -156,7 +159,42 @@ def _checked_losses(losses: Sequence[torch.Tensor] | torch.Tensor) -> list[torch
             )
         if not loss.requires_grad:
             raise ValueError(f"loss {index} does not require grad: it is not differentiable")
+    # One transfer of K numbers. Why refuse: a NaN loss gives its head NaN gradients,
+    # and one optimizer step on them spoils that head for good.
+    values = torch.stack([loss.detach().reshape(()).double().cpu() for loss in losses]).tolist()
+    for index, value in enumerate(values):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"loss {index} is {value}: every loss must be finite (nothing was written to "
+                ".grad); fix that task's loss computation, or skip the step"
+            )
     return [loss.reshape(()) for loss in losses]
+
+
+def _check_finite_head_gradients(
+    heads: list[list[torch.Tensor]], head_grads: list[tuple[torch.Tensor | None, ...]]
+) -> None:
+    """Refuse NaN/Inf in a head's gradient before anything is written (one device sync)."""
+    places = [
+        (task, index, grad)
+        for task, grads in enumerate(head_grads)
+        for index, grad in enumerate(grads)
+        if grad is not None
+    ]
+    if not places:
+        return
+    device = places[0][2].device
+    sums = torch.stack([grad.sum().to(device) for *_, grad in places])
+    if bool(torch.isfinite(sums).all()):
+        return  # NaN and Inf make a sum non-finite: one sync for all heads
+    for task, index, grad in places:
+        if not all_finite(grad):
+            shape = tuple(heads[task][index].shape)
+            raise ValueError(
+                f"loss {task}'s gradient w.r.t. parameter {index} of head {task} (shape "
+                f"{shape}) holds NaN or Inf although the loss is finite; nothing was written "
+                "to .grad. Fix that head's computation, or skip the step"
+            )
 
 
 def _checked_features(features: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ so an :class:`~mogradient.amortize.Amortizer` refuses them.
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 
 import numpy as np
@@ -15,7 +16,13 @@ import torch
 
 from mogradient._gram import CosineGram
 from mogradient._span import coordinates_from_stack
-from mogradient.harmonizers.base import Harmonization, Harmonizer, WeighResult
+from mogradient.gradients import all_finite
+from mogradient.harmonizers.base import (
+    Harmonization,
+    Harmonizer,
+    WeighResult,
+    overflow_message,
+)
 
 # Columns processed at a time (bounds the float64 copies of a long stack).
 SPAN_COLUMNS = 1 << 20
@@ -67,6 +74,9 @@ class CoordinatewiseHarmonizer(Harmonizer):
     ) -> WeighResult:
         rows = jacobian[objectives.to(jacobian.device)]
         direction = self.direction_of(rows, objectives)
+        if not all_finite(direction):
+            # Summed in float64 without overflow: only a result beyond the dtype is Inf.
+            raise OverflowError(overflow_message(type(self).__name__, direction.dtype))
         weights, residual = least_squares_weights(rows, direction)
         return WeighResult(
             weights,
@@ -88,13 +98,54 @@ def least_squares_weights(
 
     Solved on a QR of the unit rows (unit rows^T = Q R), so each weight is exact in its
     gradient's own units at any spread of norms; directions of R below round-off
-    (near-dependent gradients) are left out by the least-squares cutoff.
+    (near-dependent gradients) are left out by the least-squares cutoff. A row whose
+    weight would leave float64's range (a subnormal row beside normal ones: its share of
+    d over a norm of 1e-310) gets weight zero and the others are fitted without it; the
+    distance says what the weights then miss.
     """
     basis, coordinates, norms = coordinates_from_stack(rows)
     target = direction.detach().to(dtype=torch.float64, device=basis.device)
-    projected = basis.T @ target
-    size = float(torch.linalg.vector_norm(target))
-    residual = float(torch.linalg.vector_norm(target - basis @ projected)) / size if size else 0.0
+    projected = (basis.T @ target).cpu().numpy()
     cutoff = len(norms) * np.finfo(float).eps
-    on_units = np.linalg.lstsq(coordinates, projected.cpu().numpy(), rcond=cutoff)[0]
-    return torch.from_numpy(on_units / norms), residual
+    kept = np.ones(len(norms), dtype=bool)
+    while True:
+        on_units = _fitted_on_units(coordinates, projected, kept, cutoff)
+        with np.errstate(over="ignore"):
+            weights = on_units / norms
+        overflowed = ~np.isfinite(weights)
+        if not overflowed.any():
+            break
+        kept &= ~overflowed
+    fitted = torch.from_numpy(coordinates @ on_units).to(basis.device)
+    # In units of the largest entry: a float64 direction near 1e308 has no float64 norm.
+    peak = float(target.abs().max())
+    if peak == 0:
+        return torch.from_numpy(weights), 0.0
+    size = float(torch.linalg.vector_norm(target / peak))
+    residual = float(torch.linalg.vector_norm((target - basis @ fitted) / peak)) / size
+    return torch.from_numpy(weights), residual
+
+
+def headroom(rows: torch.Tensor, count: int) -> float:
+    """A power of two that a sum of ``count`` of the rows' values is scaled by in float64.
+
+    Why: float64 rows near 1e308 overflow in a sum whose mean (or whose exact value) is
+    representable. 2^-ceil(log2 count) where the largest value leaves no room for the sum,
+    else 1 (a scale would cost subnormal values bits); scaling back is exact.
+    """
+    if count < 2 or torch.finfo(rows.dtype).max < 1e300:
+        return 1.0  # narrower dtypes' sums cannot overflow float64
+    shift = math.ceil(math.log2(count))
+    if float(rows.abs().max()) < math.ldexp(1.0, 1023 - shift):
+        return 1.0
+    return math.ldexp(1.0, -shift)
+
+
+def _fitted_on_units(
+    coordinates: np.ndarray, projected: np.ndarray, kept: np.ndarray, cutoff: float
+) -> np.ndarray:
+    """Least-squares coefficients on the kept unit rows (zero on the others)."""
+    on_units = np.zeros(len(kept))
+    if kept.any():
+        on_units[kept] = np.linalg.lstsq(coordinates[:, kept], projected, rcond=cutoff)[0]
+    return on_units

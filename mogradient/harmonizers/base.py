@@ -8,6 +8,7 @@ those are left out of the method's computation, get weight zero, and are reporte
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -25,6 +26,7 @@ from mogradient._gram import (
 )
 from mogradient._qp import solve_simplex_qp_factored
 from mogradient.errors import SolverError
+from mogradient.gradients import all_finite
 
 # Columns per block of the batched direction product (large enough that per-block
 # overhead is negligible, small enough that mid-sized stacks still split over threads).
@@ -85,6 +87,12 @@ class Harmonizer(ABC):
     # tests/test_harmonizer_promises.py checks every declaration of every method.
     promises: ClassVar[frozenset[str]] = frozenset()
     fallbacks: ClassVar[frozenset[str]] = frozenset()
+    # Whether the method keeps state per objective between calls (EMA targets, tracked
+    # weights): its state is numbered by objective index, so a call with another K would
+    # silently mix two sets of objectives. Such methods refuse a change of K.
+    keeps_objective_state: ClassVar[bool] = False
+    # The K that the kept state was built for (None: no state yet).
+    _objective_count: int | None = None
 
     @property
     def required_objectives(self) -> int:
@@ -109,6 +117,7 @@ class Harmonizer(ABC):
             scaled, exponents = gram, torch.zeros(len(gram), dtype=torch.int64)
         valid = _usable_objectives(scaled)
         num_objectives = gram.shape[0]
+        self._check_objective_count(num_objectives)
         dropped = tuple(int(index) for index in torch.nonzero(~valid).flatten())
         weights = torch.zeros(num_objectives, dtype=torch.float64)
         if not valid.any():
@@ -119,15 +128,9 @@ class Harmonizer(ABC):
                 scaled.cpu()[objectives][:, objectives], exponents[objectives], eps, cosine_eps
             )
             weighting = self.weigh(sub_gram, objectives)
-            if weighting.weights.shape != (len(objectives),):
-                raise RuntimeError(
-                    f"{type(self).__name__}.weigh returned weights of shape "
-                    f"{tuple(weighting.weights.shape)}, expected ({len(objectives)},)"
-                )
-            if not torch.isfinite(weighting.weights).all():
-                raise SolverError(f"{type(self).__name__} produced non-finite weights")
             if jacobian is not None:
                 weighting = self.refine(jacobian, objectives, sub_gram, weighting) or weighting
+            self._check_weights(weighting.weights, objectives, sub_gram)
             weights[objectives] = weighting.weights.to(torch.float64)
             if weighting.fallback is None and len(objectives) == 1 and num_objectives > 1:
                 weighting = WeighResult(
@@ -137,6 +140,8 @@ class Harmonizer(ABC):
         direction = weighting.direction
         if direction is None and jacobian is not None:
             direction = combine(jacobian, weights, torch.isfinite(torch.diagonal(scaled)))
+        if direction is not None:
+            direction = self._representable(jacobian, weights, direction)
         return Harmonization(
             weights=weights,
             direction=direction,
@@ -146,6 +151,60 @@ class Harmonizer(ABC):
             kkt_residual=weighting.kkt_residual,
             extras={key: value for key, value in weighting.extras.items() if key != "dropped"},
         )
+
+    def _check_objective_count(self, count: int) -> None:
+        """Refuse a call whose K differs from the one the kept state was built for."""
+        if not self.keeps_objective_state:
+            return
+        if self._objective_count is not None and count != self._objective_count:
+            raise ValueError(
+                f"{type(self).__name__}: the state holds K={self._objective_count} "
+                f"objectives, this call has {count}; call reset() (or use a fresh instance) "
+                "for a new set of objectives"
+            )
+        self._objective_count = count
+
+    def _check_weights(
+        self, weights: torch.Tensor, objectives: torch.Tensor, gram: CosineGram
+    ) -> None:
+        """Refuse weights of the wrong shape or non-finite ones, as finally returned."""
+        name = type(self).__name__
+        if weights.shape != (len(objectives),):
+            raise RuntimeError(
+                f"{name} returned weights of shape {tuple(weights.shape)}, "
+                f"expected ({len(objectives)},)"
+            )
+        bad = ~torch.isfinite(weights)
+        if bad.any():
+            indices = objectives[bad.to(objectives.device)].tolist()
+            raise SolverError(
+                f"{name} produced non-finite weights on objectives {indices}{_span_hint(gram)}"
+            )
+
+    def _representable(
+        self, jacobian: torch.Tensor | None, weights: torch.Tensor, direction: torch.Tensor
+    ) -> torch.Tensor:
+        """``direction`` if finite; else the weighted sum summed without overflow, or an
+        OverflowError where the exact direction is beyond the stack's dtype.
+
+        Why: a sum of rows near the dtype's maximum overflows in its partial sums (or in
+        a method's own formula) where the answer itself may be representable. One sum on
+        the usual path.
+        """
+        if all_finite(direction):
+            return direction
+        if jacobian is None or not self.direction_is_weighted_sum:
+            raise OverflowError(overflow_message(type(self).__name__, direction.dtype))
+        exact = _scaled_combination(jacobian, weights)
+        rounded = exact.to(jacobian.dtype)
+        if all_finite(rounded):
+            return rounded
+        largest = float(exact.abs().max())
+        raise OverflowError(overflow_message(type(self).__name__, jacobian.dtype, largest))
+
+    def reset(self) -> None:
+        """Forget the state kept between calls (start of a new run, or a new set of objectives)."""
+        self._objective_count = None
 
     @abstractmethod
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
@@ -177,22 +236,46 @@ class Harmonizer(ABC):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """State that a resumed run needs (RNG of randomized methods; subclasses add more)."""
+        """State that a resumed run needs (RNG of randomized methods, the K of per-objective
+        state; subclasses add more)."""
         generator = getattr(self, "_generator", None)
-        return {} if generator is None else {"generator": generator.get_state()}
+        state = {} if generator is None else {"generator": generator.get_state()}
+        if self.keeps_objective_state:
+            state["objectives"] = self._objective_count
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; a state with other entries is refused
-        (an empty or foreign dict would otherwise leave the method silently fresh)."""
+        (an empty or foreign dict would otherwise leave the method silently fresh), and
+        so is one built for another K than this instance's calls had."""
+        name = type(self).__name__
         expected, given = set(self.state_dict()), set(state)
         if given != expected:
             missing, unknown = sorted(expected - given), sorted(given - expected)
             raise ValueError(
-                f"{type(self).__name__}.load_state_dict: not a state of this method "
+                f"{name}.load_state_dict: not a state of this method "
                 f"(missing {missing}, unknown {unknown}); pass what state_dict() returned"
             )
+        if "objectives" in state:
+            self._load_objective_count(state["objectives"])
         if "generator" in state:
             self._generator.set_state(state["generator"])
+
+    def _load_objective_count(self, count: int | None) -> None:
+        """Take the K of a loaded state; refuse one that differs from this instance's."""
+        name = type(self).__name__
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int)):
+            raise ValueError(
+                f"{name}.load_state_dict: 'objectives' must be a number of objectives or "
+                f"None, got {count!r}; pass what state_dict() returned"
+            )
+        if None not in (count, self._objective_count) and count != self._objective_count:
+            raise ValueError(
+                f"{name}.load_state_dict: the state holds K={count} objectives, this "
+                f"instance's calls had {self._objective_count}; load it into a fresh "
+                "instance (or call reset() first) for that set of objectives"
+            )
+        self._objective_count = count
 
     def __repr__(self) -> str:
         settings = ", ".join(
@@ -289,6 +372,68 @@ def _combine_in_float64(
             )
         direction[start : start + span] = piece
     return direction
+
+
+def _scaled_combination(jacobian: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_k w_k g_k`` in float64, every term divided by one power of two 2^top.
+
+    Why: rows near the dtype's maximum overflow in partial sums (3e38 + 3e38 - 3e38 in
+    float32) and float64 rows near 1e308 even in float64. With each row scaled to
+    max |entry| in [0.5, 1) and its weight's share of 2^top (at most 1), every partial
+    sum is at most K; powers of two are exact, so the result is the plain sum's, and
+    it is Inf only where it is beyond float64. Rows with weight zero are never read.
+    """
+    used = torch.nonzero(weights != 0).flatten().tolist()
+    peaks = [float(jacobian[index].abs().max()) for index in used]
+    row_powers = [math.frexp(peak)[1] for peak in peaks]
+    weight_parts = [math.frexp(float(weights[index])) for index in used]
+    top = max(power + part[1] for power, part in zip(row_powers, weight_parts, strict=True))
+    direction = torch.zeros(jacobian.shape[1], dtype=torch.float64, device=jacobian.device)
+    for index, power, (mantissa, exponent) in zip(used, row_powers, weight_parts, strict=True):
+        row = _times_power_of_two(jacobian[index].to(torch.float64), -power)
+        direction.add_(row, alpha=math.ldexp(mantissa, exponent + power - top))
+    return _times_power_of_two(direction, top)
+
+
+def _times_power_of_two(values: torch.Tensor, power: int) -> torch.Tensor:
+    """``values * 2^power`` in steps that float64 represents (2^1024 itself is not)."""
+    while power:
+        step = max(-1000, min(1000, power))
+        values = values * math.ldexp(1.0, step)
+        power -= step
+    return values
+
+
+def overflow_message(method: str, dtype: torch.dtype, largest: float | None = None) -> str:
+    """One line saying that ``method``'s direction is beyond ``dtype`` and what to do."""
+    name = str(dtype).removeprefix("torch.")
+    if largest is None:
+        reach = ""
+    elif math.isfinite(largest):
+        reach = (
+            f" (its exact entries reach {largest:.3g}; {name} holds {torch.finfo(dtype).max:.3g})"
+        )
+    else:
+        reach = " (its exact entries are beyond float64's range too)"
+    wider = "" if dtype == torch.float64 else ", or compute the gradients in float64"
+    return (
+        f"{method}'s direction is not representable in {name}{reach}: scale the losses down{wider}"
+    )
+
+
+def _span_hint(gram: CosineGram) -> str:
+    """Why weights overflow where the gradients' norms reach beyond ~1e300 of each other or
+    of 1 (a raw weight scales like the direction's size over its gradient's norm)."""
+    logs = torch.log10(gram.norms) + gram.exponent * math.log10(2.0)
+    low, high = float(logs.min()), float(logs.max())
+    if max(high, -low, high - low) < 300:
+        return ""
+    # A norm below 2^-1074 of the largest underflowed in the Gram's units.
+    smallest = f"1e{low:.0f}" if math.isfinite(low) else f"below 1e{high - 323:.0f}"
+    return (
+        f" (the gradients' norms span {smallest} to 1e{high:.0f}, at or beyond float64's "
+        "range for weights on raw gradients: rescale the losses of the extreme objectives)"
+    )
 
 
 def validated_flag(value: bool, name: str) -> bool:

@@ -81,6 +81,8 @@ class CAGrad(Harmonizer):
         if not near_dependent(gram.cosines.numpy()):
             return None
         basis, coordinates, sizes = coordinates_from_stack(jacobian[objectives.to(jacobian.device)])
+        if not np.isfinite(sizes).all():
+            return None  # a norm beyond float64 (entries near 1e308): the Gram's answer stands
         solved = self._weighting(coordinates, sizes / sizes.max())
         if solved.direction is None:
             return solved.weighting

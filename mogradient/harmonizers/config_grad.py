@@ -94,6 +94,8 @@ class ConFIG(Harmonizer):
         if not (self.refine_on_stack and near_dependent(gram.cosines.numpy())):
             return None
         basis, coordinates, norms = coordinates_from_stack(jacobian[objectives.to(jacobian.device)])
+        if not np.isfinite(norms).all():
+            return None  # a norm beyond float64 (entries near 1e308): the Gram's answer stands
         targets = preferences_for(self.pref_vector, objectives).numpy()
         # Rounding each row to its dtype moves each unit row by <= eps, and the singular
         # values of the K unit rows by <= sqrt(K) eps: below K eps they are round-off.
@@ -101,7 +103,10 @@ class ConFIG(Harmonizer):
         # t = Q s with R^T s = p (least squares, minimum norm); a with R a = s.
         target = np.linalg.lstsq(coordinates.T, targets, rcond=cutoff)[0]
         coefficients = np.linalg.lstsq(coordinates, target, rcond=cutoff)[0]
-        result = _scaled(targets, coefficients, coordinates.T @ target, norms, gram.eps)
+        # In units of the largest norm, as from the Gram: weights near 1e308 / 1e307 stay finite.
+        result = _scaled(
+            targets, coefficients, coordinates.T @ target, norms / norms.max(), gram.eps
+        )
         if result.fallback is not None:
             return result
         scale = float(norms @ (coordinates.T @ target)) / float(target @ target)

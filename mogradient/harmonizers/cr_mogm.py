@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,6 +33,8 @@ class CRMOGM(Harmonizer):
     when ``inner`` is; ``inner``'s state is saved with this one's.
     """
 
+    keeps_objective_state: ClassVar[bool] = True
+
     def __init__(
         self,
         inner: Harmonizer | None = None,
@@ -47,8 +49,10 @@ class CRMOGM(Harmonizer):
         self._pending: tuple[float, torch.Tensor, WeighResult] | None = None
 
     def reset(self) -> None:
-        """Forget the averaged weights (start of a new run); ``inner`` is left as it is."""
+        """Forget the averaged weights and ``inner``'s state (start of a new run)."""
+        super().reset()
         self._lambda.clear()
+        self.inner.reset()
 
     def state_dict(self) -> dict[str, Any]:
         return {

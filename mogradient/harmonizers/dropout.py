@@ -42,6 +42,17 @@ class RewardDropout(Harmonizer):
         self.step = 0
         self._generator = seeded_generator(seed)
 
+    @property
+    def keeps_objective_state(self) -> bool:  # type: ignore[override]
+        """Whether ``inner`` keeps per-objective state: then every call must have the same K."""
+        return self.inner.keeps_objective_state
+
+    def reset(self) -> None:
+        """Forget the state (start of a new run): the warm-up restarts, ``inner`` is reset."""
+        super().reset()
+        self.step = 0
+        self.inner.reset()
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "step": self.step, "inner": self.inner.state_dict()}
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -53,6 +53,7 @@ class ExcessMTL(Harmonizer):
     """
 
     needs_stack = True
+    keeps_objective_state: ClassVar[bool] = True
 
     def __init__(self, step_size: float = 1.0, warmup_steps: int = 1) -> None:
         if not (math.isfinite(step_size) and step_size > 0.0):
@@ -66,6 +67,7 @@ class ExcessMTL(Harmonizer):
 
     def reset(self) -> None:
         """Forget all state (start of a new run): uniform weights and a new warm-up."""
+        super().reset()
         self.step = 0
         self._lambda = ObjectiveWeights()
         self._roots: dict[int, torch.Tensor] = {}

@@ -6,7 +6,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mogradient.harmonizers._coordinatewise import SPAN_COLUMNS, CoordinatewiseHarmonizer
+from mogradient.harmonizers._coordinatewise import (
+    SPAN_COLUMNS,
+    CoordinatewiseHarmonizer,
+    headroom,
+)
 from mogradient.harmonizers.base import seeded_generator
 
 
@@ -58,9 +62,10 @@ class GradDrop(CoordinatewiseHarmonizer):
         leaks = leaks.to(rows.device)[:, None]
         draws = torch.rand(rows.shape[1], generator=self._generator, dtype=torch.float64)
         draws = draws.to(rows.device)
+        scale = headroom(rows, len(rows))
         direction = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
         for start in range(0, rows.shape[1], SPAN_COLUMNS):
-            values = rows[:, start : start + SPAN_COLUMNS].to(torch.float64)
+            values = rows[:, start : start + SPAN_COLUMNS].to(torch.float64) * scale
             total, size = values.sum(dim=0), values.abs().sum(dim=0)
             # A column of zeros contributes nothing whatever its purity.
             purity = 0.5 * (1 + torch.where(size > 0, total / size, 0.0))
@@ -68,5 +73,5 @@ class GradDrop(CoordinatewiseHarmonizer):
             draw = draws[start : start + SPAN_COLUMNS]
             mask = ((chance > draw) & (values > 0)) | ((chance < draw) & (values < 0))
             kept = leaks + (1 - leaks) * mask
-            direction[start : start + SPAN_COLUMNS] = (kept * values).sum(dim=0)
+            direction[start : start + SPAN_COLUMNS] = (kept * values).sum(dim=0) / scale
         return direction

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -30,6 +30,8 @@ class GradVac(Harmonizer):
     The visiting order is drawn from a generator seeded with ``seed``.
     """
 
+    keeps_objective_state: ClassVar[bool] = True
+
     def __init__(self, beta: float = 0.01, eps: float = 1e-8, seed: int | None = None) -> None:
         if not (math.isfinite(beta) and 0.0 <= beta <= 1.0):
             raise ValueError(f"beta must be in [0, 1], got {beta}")
@@ -43,6 +45,7 @@ class GradVac(Harmonizer):
 
     def reset(self) -> None:
         """Forget the EMA targets (start of a new run)."""
+        super().reset()
         self._targets.clear()
 
     @property

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ class MoDo(Harmonizer):
     Defaults follow TorchJD and the authors' code (gamma 0.1, rho 0.1).
     """
 
+    keeps_objective_state: ClassVar[bool] = True
+
     def __init__(self, gamma: float = 0.1, rho: float = 0.1) -> None:
         if not (math.isfinite(gamma) and gamma > 0.0):
             raise ValueError(f"gamma must be finite and positive, got {gamma}")
@@ -51,6 +53,7 @@ class MoDo(Harmonizer):
 
     def reset(self) -> None:
         """Forget lambda (start of a new run): the next call starts from uniform weights."""
+        super().reset()
         self._lambda = ObjectiveWeights()
 
     def state_dict(self) -> dict[str, Any]:

@@ -118,6 +118,8 @@ class PCD(Harmonizer):
         {"infeasible", "zero_direction", "primary_dropped"}
     )
 
+    keeps_objective_state: ClassVar[bool] = True
+
     def __init__(
         self,
         tau: float | Sequence[float] | torch.Tensor = 0.02,
@@ -137,6 +139,7 @@ class PCD(Harmonizer):
 
     def reset(self) -> None:
         """Forget the moving averages (start of a new run)."""
+        super().reset()
         self._roots: dict[int, tuple[float, int]] = {}
         self._counts: dict[int, int] = {}
 
@@ -177,6 +180,8 @@ class PCD(Harmonizer):
         names = [int(index) for index in objectives]
         sizes = np.asarray(weighting.extras["normalized_norms"])
         basis, coordinates, norms = coordinates_from_stack(jacobian[objectives.to(jacobian.device)])
+        if not np.isfinite(norms).all():
+            return None  # a norm beyond float64 (entries near 1e308): the Gram's answer stands
         solution = _solve(coordinates, sizes, self._taus(names), _Precision.of_stack(gram))
         refined = _weighting(solution, sizes, norms / norms[0])
         if solution is None or refined.fallback == "zero_direction":
@@ -240,6 +245,8 @@ def _validated_tau(tau: float | Sequence[float] | torch.Tensor) -> float | torch
 
 def _hypot(first: tuple[float, int], second: tuple[float, int]) -> tuple[float, int]:
     """sqrt(x^2 + y^2) for x = m 2^e given as (m, e) pairs, as a frexp pair."""
+    if first[0] == 0.0 and second[0] == 0.0:
+        return 0.0, 0  # a norm that underflowed the Gram's scale (beyond 2^-1074 of the largest)
     top = max(exponent for mantissa, exponent in (first, second) if mantissa != 0.0)
     value = math.hypot(math.ldexp(first[0], first[1] - top), math.ldexp(second[0], second[1] - top))
     mantissa, exponent = math.frexp(value)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -43,6 +43,8 @@ class SDMGrad(Harmonizer):
     dropped the rest are rescaled to keep its total.
     """
 
+    keeps_objective_state: ClassVar[bool] = True
+
     def __init__(
         self,
         lr: float = 10.0,
@@ -68,6 +70,7 @@ class SDMGrad(Harmonizer):
 
     def reset(self) -> None:
         """Forget w (start of a new run): the next call starts from uniform weights."""
+        super().reset()
         self._w = ObjectiveWeights()
 
     def state_dict(self) -> dict[str, Any]:

@@ -6,7 +6,11 @@ from typing import ClassVar
 
 import torch
 
-from mogradient.harmonizers._coordinatewise import SPAN_COLUMNS, CoordinatewiseHarmonizer
+from mogradient.harmonizers._coordinatewise import (
+    SPAN_COLUMNS,
+    CoordinatewiseHarmonizer,
+    headroom,
+)
 from mogradient.harmonizers.promises import LINEAR_UNDER_SCALING, PERMUTATION_INVARIANT
 
 
@@ -44,9 +48,10 @@ class TrimmedMean(CoordinatewiseHarmonizer):
                 f"TrimmedMean(trim_number={self.trim_number}) needs at least "
                 f"{self.required_objectives} usable gradients, got {count}"
             )
+        scale = headroom(rows, kept)
         direction = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
         for start in range(0, rows.shape[1], SPAN_COLUMNS):
             ordered = torch.sort(rows[:, start : start + SPAN_COLUMNS], dim=0).values
             middle = ordered[self.trim_number : self.trim_number + kept].to(torch.float64)
-            direction[start : start + SPAN_COLUMNS] = middle.mean(dim=0)
+            direction[start : start + SPAN_COLUMNS] = (middle * scale).mean(dim=0) / scale
         return direction

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -29,7 +30,9 @@ class PBI(Scalarization):
     projection: its absolute value gives the same loss while the losses stay above the
     reference, but would push them back up once they pass it. d2 is not differentiable
     on the ray itself: there its gradient is taken as 0 (the subgradient torch's norm
-    uses), with no smoothing constant.
+    uses), with no smoothing constant. Both are computed in units of a power of two near
+    the largest loss, so d2's squares neither overflow nor underflow (float32 losses near
+    1e20 or 1e-30); a loss beyond the losses' dtype raises ``OverflowError``.
     """
 
     def __init__(
@@ -56,11 +59,23 @@ class PBI(Scalarization):
         else:
             direction = self.direction.to(losses)
         excess = losses if self.reference is None else losses - self.reference.to(losses)
-        along = excess @ direction
-        off = excess - along * direction
+        # In units of a power of two near the largest |excess|: the squares inside the norm
+        # neither overflow (float32 losses ~1e20) nor underflow (~1e-20), and d1's sum
+        # cannot overflow where d1 does not. Powers of two are exact.
+        largest = float(excess.detach().abs().max())
+        scale = math.ldexp(1.0, math.frexp(largest)[1] - 1) if largest > 0 else 1.0
+        along = (excess / scale) @ direction
+        off = excess / scale - along * direction
         distance = torch.linalg.vector_norm(off)
-        loss = along + self.theta * distance
+        loss = (along + self.theta * distance) * scale
+        if not bool(torch.isfinite(loss)):
+            raise OverflowError(
+                f"PBI: the loss d1 + theta d2 is beyond {str(loss.dtype).removeprefix('torch.')}'s "
+                f"range (losses minus reference up to {largest:.3g}, theta {self.theta}): scale "
+                "the losses down, or compute them in float64"
+            )
         off, distance = off.detach(), distance.detach()
         unit = torch.where(distance > 0, off / distance, torch.zeros_like(off))
         weights = direction + self.theta * unit
-        return ScalarizedLoss(loss, weights, {"d1": along.detach(), "d2": distance})
+        extras = {"d1": along.detach() * scale, "d2": distance * scale}
+        return ScalarizedLoss(loss, weights, extras)
