@@ -28,15 +28,24 @@ the graph), which halves what a recorded forward holds beyond the plain one; mod
 it in place is refused by autograd. Forwards recomputed under gradient checkpointing run
 outside the recording and are never captured twice.
 
-Exactness is the caller's claim that rows do not interact and that every trainable
-parameter is reached only through the hooked calls; :func:`RowGradients.accumulate`
-with ``verify=True`` checks it against the K-backward engine (the trainer does so once
-per run). Parameters of any other module type make :meth:`RowGradients.supported`
-false, so callers fall back to :func:`mogradient.gradients.combinable_gradients`.
+Exactness needs rows that do not interact and trainable parameters reached only through
+the hooked calls; where either fails the rows are wrong by their own size, so the engine
+checks rather than trusts. Every pass compares the sum of its rows with the gradient
+autograd computes anyway (projected on a fixed random vector per weight: a weight also
+used outside its module, through ``F.linear`` say, is missed by the rows). The first
+result of an engine takes one extra pass with random row weights u, whose rows must be
+u_r times the plain ones (a mean over the batch in the forward or the row values breaks
+that). A BatchNorm normalizing with batch statistics on a trained path is refused when
+the forward is recorded, and parameters of any module but ``nn.Linear`` are refused by
+name; :attr:`RowGradients.supported` is false for both, so callers fall back to
+:func:`mogradient.gradients.combinable_gradients`. :func:`RowGradients.accumulate` with
+``verify=True`` compares whole stacks with the K-backward engine (the trainer does so
+once per run).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -44,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from mogradient.combinable import CombinableLoss
 from mogradient.errors import UnusedParameterError
@@ -52,6 +62,12 @@ from mogradient.gradients import accumulate_gradients, combinable_gradients
 
 class RowGradientError(RuntimeError):
     """The per-row engine cannot give exact gradients for this forward or loss."""
+
+
+_FALLBACK = (
+    "use the K-backward engine, mogradient.gradients.combinable_gradients "
+    "(objective_gradients for per-sample losses; their Gram is J J^T)"
+)
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,9 @@ class RowGradients:
             start += parameter.numel()
         self.size = start
         self._modules: list[tuple[nn.Linear, _Slots]] = []
+        self._batch_norms = [
+            (name, child) for name, child in module.named_modules() if isinstance(child, _BatchNorm)
+        ]
         owned: set[int] = set()
         for name, child in module.named_modules():
             weight = offsets.get(id(child.weight)) if isinstance(child, nn.Linear) else None
@@ -120,20 +139,42 @@ class RowGradients:
             self._modules.append((child, _Slots(weight, bias, name)))
             owned.update(id(p) for p in (child.weight, child.bias) if p is not None)
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        self._names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.parameters)]
+        owners = _owner_types(module)
         self.unsupported = [
-            names.get(id(p), f"parameter {index}")
-            for index, p in enumerate(self.parameters)
+            self._names[i] for i, p in enumerate(self.parameters) if id(p) not in owned
+        ]
+        self._unsupported_owners = [
+            f"{self._names[i]} ({owners.get(id(p), 'not in the module')})"
+            for i, p in enumerate(self.parameters)
             if id(p) not in owned
         ]
+        self._index = {
+            start: i for i, (start, _) in enumerate(offsets[id(p)] for p in self.parameters)
+        }
+        self._summary: list[int] = []  # each parameter's first entry in a pass's summary
+        width = 0
+        for parameter in self.parameters:
+            self._summary.append(width)
+            width += parameter.shape[0] if parameter.ndim else 1
+        self._summary_width = width
+        self._directions: dict[tuple, torch.Tensor] = {}
+        self._rows_checked = False  # the first result's extra pass showed rows apart
+        self._refused = False  # a result was refused: rows mixed or a weight used outside
         self._recording = False
         self._captures: list[_Capture] = []
+        self._mixing: list[str] = []  # BatchNorms that mixed the recorded forward's rows
         self._generation = 0  # which recording the relay nodes belong to
         self._consume: Callable[[int, torch.Tensor], None] | None = None  # the running pass
 
     @property
     def supported(self) -> bool:
-        """Whether every parameter belongs to a Linear (else use the K-backward engine)."""
-        return not self.unsupported
+        """Whether the engine can serve this model (else use the K-backward engine):
+        every parameter belongs to a Linear, no BatchNorm normalizes with batch statistics
+        now, and no result has been refused for mixed rows or a weight used outside its
+        Linear (what only a forward shows)."""
+        batch_statistics = any(_uses_batch_statistics(norm) for _, norm in self._batch_norms)
+        return not (self.unsupported or batch_statistics or self._refused)
 
     def supports(self, loss: CombinableLoss) -> bool:
         """Whether ``loss`` can go through this engine: it declares rows, all is Linear."""
@@ -146,6 +187,9 @@ class RowGradients:
         handles = [
             module.register_forward_hook(self._hook(slots), with_kwargs=True)
             for module, slots in self._modules
+        ]
+        handles += [
+            norm.register_forward_hook(self._norm_hook(name)) for name, norm in self._batch_norms
         ]
         try:
             yield
@@ -169,6 +213,7 @@ class RowGradients:
 
     def _start(self) -> None:
         self._captures = []
+        self._mixing = []
         self._generation += 1
         self._recording = True
 
@@ -184,6 +229,19 @@ class RowGradients:
             relay = self._relay(len(self._captures), self._generation)
             self._captures.append(_Capture(slots, inputs))
             return _RowGradientRelay.apply(output, relay)
+
+        return hook
+
+    def _norm_hook(self, name: str):
+        """Note a BatchNorm that normalizes a trained path with batch statistics while a
+        forward is recorded: it mixes the rows, which no later check can undo."""
+
+        def hook(module: _BatchNorm, args: tuple, output: torch.Tensor) -> None:
+            inputs = args[0] if args else None
+            trained = isinstance(inputs, torch.Tensor) and inputs.requires_grad
+            recorded = self._recording and torch.is_grad_enabled()
+            if recorded and trained and _uses_batch_statistics(module):
+                self._mixing.append(f"{name!r} ({type(module).__name__})")
 
         return hook
 
@@ -219,7 +277,11 @@ class RowGradients:
 
     # -------------------------------------------------------------- results
     def stack(self, loss: CombinableLoss, retain_graph: bool = False) -> torch.Tensor:
-        """The K x D stack of the recorded forward's ``loss`` (``extra`` excluded)."""
+        """The K x D stack of the recorded forward's ``loss`` (``extra`` excluded).
+
+        Raises :class:`RowGradientError` instead of rows that would be wrong (see the
+        module: other modules' parameters, mixed rows, a weight used outside its Linear).
+        """
         return self._stack(loss, self._take(), retain_graph)
 
     def gram(self, loss: CombinableLoss, retain_graph: bool = False) -> torch.Tensor:
@@ -229,30 +291,29 @@ class RowGradients:
         from the per-row Gram M, module by module, without forming the stack.
         """
         captures = self._take()
+        self._refuse()
         values, coefficients = self._row_coefficients(loss)
         if len(values) != 1 or _shares_parameters(captures):
             stack = self._stack(loss, captures, retain_graph).double()
             return stack @ stack.T
-        rows, copies = values.shape[1], loss.rows.copies
+        rows = values.shape[1]
         per_row = torch.zeros(rows, rows, dtype=torch.float64, device=values.device)
         calls = collections.Counter((c.slots.weight, c.slots.bias) for c in captures)
         summed: dict[tuple, torch.Tensor] = {}  # modules called several times
 
-        def add(capture: _Capture, delta: torch.Tensor) -> None:
+        def add(capture: _Capture, x: torch.Tensor | None, d: torch.Tensor) -> None:
             nonlocal per_row
             key = (capture.slots.weight, capture.slots.bias)
-            x = None
-            if capture.slots.weight is not None:
-                x = _rows_view(capture.inputs.detach(), rows, copies, capture.slots.name)
-            d = _rows_view(delta, rows, copies, capture.slots.name)
             if calls[key] == 1:
                 per_row += _row_gram(x, d, capture.slots.bias is not None)
             else:  # the Gram of a sum over calls: sum the calls' row gradients first
                 gradient = _per_row_gradient(x, d, capture.slots.bias is not None)
                 summed[key] = gradient if key not in summed else summed[key] + gradient
 
-        reached = self._pass(values[0].sum(), captures, retain_graph, add)
-        self._check_used(captures, [reached])
+        probe = self._weighted_rows(values[0], captures, loss.rows.copies)
+        tally = self._pass(values[0].sum(), captures, retain_graph, add, rows, loss.rows.copies)
+        self._check([tally], probe)
+        self._check_used(captures, [tally.reached])
         for gradient in summed.values():
             per_row += gradient @ gradient.T
         c = coefficients[:, 0].double()
@@ -275,11 +336,7 @@ class RowGradients:
         :class:`RowGradientError` where they differ by more than round-off of
         ``verify_dtype`` (the stack's by default; bfloat16 under bf16 autocast).
         """
-        if not self.supported:
-            raise RowGradientError(
-                f"parameters outside an nn.Linear ({', '.join(self.unsupported[:3])}): use "
-                "mogradient.gradients.accumulate_gradients (the K-backward engine)"
-            )
+        self._refuse_unsupported()
 
         def piece_stack(loss: CombinableLoss, retain_graph: bool) -> torch.Tensor:
             captures = self._take()
@@ -326,52 +383,174 @@ class RowGradients:
     def _stack(
         self, loss: CombinableLoss, captures: list[_Capture], retain_graph: bool
     ) -> torch.Tensor:
+        self._refuse()
         values, coefficients = self._row_coefficients(loss)
-        count, rows = loss.num_objectives, values.shape[1]
         copies = loss.rows.copies
-        dtype = torch.promote_types(self.parameters[0].dtype, torch.float32)
-        stack = torch.zeros(count, self.size, dtype=dtype, device=self.parameters[0].device)
+        dtype = self._dtype
+        stack = torch.zeros(
+            loss.num_objectives, self.size, dtype=dtype, device=self.parameters[0].device
+        )
         active = [v for v in range(len(values)) if bool(coefficients[:, v].any())]
-        passes = []
+        probe = self._weighted_rows(values[active[0]], captures, copies) if active else None
+        tallies = []
         for position, v in enumerate(active):
             keep = retain_graph or position < len(active) - 1
             c = coefficients[:, v].to(dtype)
 
-            def add(capture: _Capture, delta: torch.Tensor, c: torch.Tensor = c) -> None:
-                _add_contraction(stack, capture, delta, c, rows, copies)
+            def add(
+                capture: _Capture, x: torch.Tensor | None, d: torch.Tensor, c: torch.Tensor = c
+            ) -> None:
+                _add_contraction(stack, capture, x, d, c)
 
-            passes.append(self._pass(values[v].sum(), captures, keep, add))
-        self._check_used(captures, passes)
+            tallies.append(
+                self._pass(values[v].sum(), captures, keep, add, values.shape[1], copies)
+            )
+        self._check(tallies, probe)
+        self._check_used(captures, [tally.reached for tally in tallies])
         return stack
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        """What the stack and the checks' summaries are computed in (float32 at least)."""
+        return torch.promote_types(self.parameters[0].dtype, torch.float32)
+
+    def _refuse_unsupported(self) -> None:
+        """Name the parameters of modules other than ``nn.Linear``, which no hook sees."""
+        if not self.unsupported:
+            return
+        shown = ", ".join(self._unsupported_owners[:3])
+        if len(self._unsupported_owners) > 3:
+            shown += f" and {len(self._unsupported_owners) - 3} more"
+        raise RowGradientError(
+            "RowGradients handles parameters of nn.Linear modules only (peft's LoRA layers "
+            f"are ones); {shown} belong elsewhere: train only Linear parameters, or "
+            f"{_FALLBACK}"
+        )
+
+    def _refuse(self) -> None:
+        """Refuse parameters outside a Linear and a recorded forward with rows mixed by a
+        BatchNorm (batch statistics), before any pass."""
+        self._refuse_unsupported()
+        if self._mixing:
+            raise RowGradientError(
+                f"BatchNorm {self._mixing[0]} normalized a trained path with batch "
+                "statistics (training mode), which mixes rows: each row's gradient then "
+                "depends on every other row. Run it in eval mode (running statistics), or "
+                f"{_FALLBACK}"
+            )
 
     def _pass(
         self,
         seed: torch.Tensor,
         captures: list[_Capture],
         retain_graph: bool,
-        consume: Callable[[_Capture, torch.Tensor], None],
-    ) -> set[int]:
-        """Back-propagate ``seed``, handing each recorded call's output gradient to
-        ``consume`` as soon as autograd has it (so no pass holds them all at once).
+        consume: Callable[[_Capture, torch.Tensor | None, torch.Tensor], None] | None,
+        rows: int,
+        copies: int,
+    ) -> _Tally:
+        """Back-propagate ``seed`` (a sum over rows), handing each recorded call's input
+        and output gradient, as (rows, positions, width) views, to ``consume`` as soon as
+        autograd has them (so no pass holds them all at once).
 
-        Returns the indices of the calls the seed reached. The backward runs to the
-        trainable parameters, whose own gradients are dropped.
+        Returns the pass's :class:`_Tally`, with the parameters' gradients that the
+        backward computes anyway, for :meth:`_check`.
         """
-        reached: set[int] = set()
+        tally = _Tally(self, rows)
 
         def relayed(index: int, grad: torch.Tensor) -> None:
-            reached.add(index)
-            consume(captures[index], grad)
+            capture = captures[index]
+            x, d = None, _rows_view(grad, rows, copies, capture.slots.name)
+            if capture.slots.weight is not None:
+                x = _rows_view(capture.inputs.detach(), rows, copies, capture.slots.name)
+            tally.add(index, capture, x, d)
+            if consume is not None:
+                consume(capture, x, d)
 
         self._consume = relayed
         try:
-            if captures:
-                torch.autograd.grad(
-                    seed, self.parameters, retain_graph=retain_graph, allow_unused=True
-                )
+            if not captures:
+                return tally
+            grads = torch.autograd.grad(
+                seed, self.parameters, retain_graph=retain_graph, allow_unused=True
+            )
         finally:
             self._consume = None
-        return reached
+        tally.total = torch.cat(
+            [_summarize(self, i, grad, tally.summary) for i, grad in enumerate(grads)]
+        )
+        return tally
+
+    def _weighted_rows(
+        self, values: torch.Tensor, captures: list[_Capture], copies: int
+    ) -> tuple[torch.Tensor, _Tally] | None:
+        """The engine's first result takes this extra pass, seeded with sum_r u_r v_r
+        (u_r fixed, in [1, 2)): where rows do not interact each row's summary is u_r times
+        the plain pass's; a mean over the batch anywhere between the trained calls and
+        ``values`` breaks that, and no single pass can show it."""
+        if self._rows_checked or not captures:
+            return None
+        u = 1 + torch.rand(len(values), generator=torch.Generator().manual_seed(0))
+        u = u.to(device=values.device, dtype=values.dtype)
+        return u, self._pass((u * values).sum(), captures, True, None, len(values), copies)
+
+    def _check(self, tallies: list[_Tally], probe: tuple[torch.Tensor, _Tally] | None) -> None:
+        """Refuse the result where a comparison of :meth:`_comparisons` fails, by more than
+        round-off of the coarsest dtype seen; one device sync for all, at the end.
+        ``supported`` is false after a refusal."""
+        checks = [check for check in self._comparisons(tallies, probe) if check[1] is not None]
+        if not checks:  # no call recorded
+            return
+        gaps = torch.stack(
+            [torch.stack([(a - e).abs().max(), e.abs().max()]) for a, e, _, _ in checks]
+        ).tolist()
+        for (actual, expected, precision, explain), (error, scale) in zip(
+            checks, gaps, strict=True
+        ):
+            tolerance = _relative_tolerance(precision) * scale
+            if not error <= tolerance:
+                self._refused = True
+                gap = f"off by {error:.3g}, largest entry {scale:.3g}, tolerance {tolerance:.3g}"
+                raise RowGradientError(explain((actual - expected).abs(), gap))
+        self._rows_checked = self._rows_checked or probe is not None
+
+    def _comparisons(
+        self, tallies: list[_Tally], probe: tuple[torch.Tensor, _Tally] | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.dtype, Callable]]:
+        """(actual, expected, dtype, explain): each pass's rows summed against autograd's
+        gradient (a parameter also reached outside its Linear's recorded calls breaks it),
+        then the weighted pass's rows against u_r times the plain pass's (rows that
+        interact break it)."""
+        passes = tallies if probe is None else [probe[1], *tallies]
+        checks = [(t.summary.sum(dim=0), t.total, t.precision, self._outside) for t in passes]
+        if probe is not None:
+            u, weighted = probe
+            expected = u.to(weighted.summary.dtype)[:, None] * tallies[0].summary
+            precision = _coarser(weighted.precision, tallies[0].precision)
+            checks.append((weighted.summary, expected, precision, _interacting))
+        return checks
+
+    def _outside(self, error: torch.Tensor, gap: str) -> str:
+        """Why the rows' sum misses part of the gradient of the parameter worst off."""
+        name = self._names[bisect.bisect_right(self._summary, int(error.argmax())) - 1]
+        return (
+            f"{name} is reached outside its nn.Linear's recorded calls: the per-row "
+            f"gradients miss part of its gradient ({gap}). Typical causes: the weight is "
+            "also used through F.linear or a module other than its own (a tied weight), or "
+            "part of the forward ran outside the recording. Call the Linear itself and "
+            f"record the whole forward, or {_FALLBACK}"
+        )
+
+    def _direction(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """A fixed random unit vector over weight ``index``'s inputs, like ``like``: the
+        summaries project weight gradients on it (any fixed vector would miss inputs
+        orthogonal to it, as a LayerNorm's output is to ones)."""
+        key = (index, like.device, like.dtype)
+        if key not in self._directions:
+            generator = torch.Generator().manual_seed(index)
+            direction = torch.randn(self.parameters[index].shape[1], generator=generator)
+            direction = direction.double() / direction.double().norm()
+            self._directions[key] = direction.to(device=like.device, dtype=like.dtype)
+        return self._directions[key]
 
     def _check_used(self, captures: list[_Capture], passes: list[set[int]]) -> None:
         """Raise as the K-backward engine does for parameters no objective reached."""
@@ -398,14 +577,113 @@ class RowGradients:
             )
 
 
+class _Tally:
+    """One pass's per-row gradients in brief: (rows, sum of output widths), each weight's
+    row gradient projected on a fixed random unit vector, each bias's as is.
+
+    O(positions x widths) per call, against the per-row products' O(positions x width^2);
+    enough to compare the rows' sum with autograd's total, and a pass with other row
+    weights with this one.
+    """
+
+    def __init__(self, engine: RowGradients, rows: int) -> None:
+        self.engine = engine
+        self.reached: set[int] = set()
+        device = engine.parameters[0].device
+        # the coarsest rounding the pass saw: autograd's matmuls, then the calls' tensors
+        self.precision = _matmul_precision(engine.parameters[0].dtype, device)
+        self.total: torch.Tensor | None = None  # autograd's gradient, summarized alike
+        self.summary = torch.zeros(rows, engine._summary_width, dtype=engine._dtype, device=device)
+
+    def add(self, index: int, capture: _Capture, x: torch.Tensor | None, d: torch.Tensor) -> None:
+        """Add recorded call ``index``'s row gradients, from its (R, positions, width)
+        views."""
+        self.reached.add(index)
+        self.precision = _coarser(self.precision, d.dtype)
+        d = d.to(self.summary.dtype)
+        if capture.slots.weight is not None:
+            self.precision = _coarser(self.precision, x.dtype)
+            weight = self.engine._index[capture.slots.weight[0]]
+            x = x.to(self.summary.dtype)
+            direction = self.engine._direction(weight, x)
+            projected = torch.bmm((x @ direction)[:, None], d)  # (R, 1, out): fast on CPU too
+            self._add(weight, projected[:, 0])
+        if capture.slots.bias is not None:
+            self._add(self.engine._index[capture.slots.bias[0]], d.sum(dim=1))
+
+    def _add(self, index: int, part: torch.Tensor) -> None:
+        start = self.engine._summary[index]
+        self.summary[:, start : start + part.shape[1]] += part
+
+
+def _interacting(error: torch.Tensor, gap: str) -> str:
+    """Why the weighted pass's rows are not u_r times the plain pass's."""
+    row = int(error.amax(dim=1).argmax())
+    return (
+        f"rows interact: row {row}'s gradient depends on other rows ({gap}). Something "
+        "between the trained calls and the row values reduces over the batch (a mean or "
+        "normalization over rows, BatchNorm in training mode, advantages normalized "
+        f"without detaching the statistics). Compute each row's values from its own row, "
+        f"or {_FALLBACK}"
+    )
+
+
+def _summarize(
+    engine: RowGradients, index: int, grad: torch.Tensor | None, like: torch.Tensor
+) -> torch.Tensor:
+    """Parameter ``index``'s gradient as a _Tally row: a weight's projected, a bias's."""
+    parameter = engine.parameters[index]
+    if grad is None:
+        return like.new_zeros(parameter.shape[0] if parameter.ndim else 1)
+    grad = grad.to(like.dtype)
+    return grad @ engine._direction(index, like) if grad.ndim == 2 else grad.reshape(-1)
+
+
+def _coarser(first: torch.dtype, second: torch.dtype) -> torch.dtype:
+    """The dtype with the larger round-off."""
+    return first if torch.finfo(first).eps >= torch.finfo(second).eps else second
+
+
+def _matmul_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype whose round-off float32 matmuls on CUDA have: TF32 (float16's 10 mantissa
+    bits) at float32 matmul precision "high", bfloat16 at "medium"."""
+    if dtype != torch.float32 or device.type != "cuda":
+        return dtype
+    return {"highest": torch.float32, "high": torch.float16, "medium": torch.bfloat16}[
+        torch.get_float32_matmul_precision()
+    ]
+
+
+def _relative_tolerance(*dtypes: torch.dtype) -> float:
+    """sqrt(eps) of the coarsest dtype, as :func:`check_close`: round-off of sums over
+    rows and positions stays below it; a missed or mixed row moves entries by their size."""
+    return max(torch.finfo(dtype).eps for dtype in dtypes) ** 0.5
+
+
+def _uses_batch_statistics(norm: _BatchNorm) -> bool:
+    """Whether a BatchNorm normalizes with the batch's statistics (as F.batch_norm does in
+    training mode, or without running statistics)."""
+    return norm.training or norm.running_mean is None
+
+
+def _owner_types(module: nn.Module) -> dict[int, str]:
+    """id(parameter) -> the type name of the module that registers it."""
+    return {
+        id(parameter): type(child).__name__
+        for child in module.modules()
+        for parameter in child.parameters(recurse=False)
+    }
+
+
 def _rows_view(tensor: torch.Tensor, rows: int, copies: int, name: str) -> torch.Tensor:
     """A call's (M, ..., d) tensor as (R, copies x tokens, d): all of row r's positions."""
     batch = tensor.shape[0] if tensor.ndim > 1 else 1
     if tensor.ndim < 2 or batch != rows * copies:
         raise RowGradientError(
             f"{name!r} was called on a batch of {batch} rows, but the loss declares "
-            f"{rows} rows x {copies} copies: declare RowValues(copies=...) to match how "
-            "the forward stacks its rows, or use the K-backward engine"
+            f"{rows} rows x {copies} copies: declare one row value per forward row (not a "
+            "mean over the batch), with RowValues(copies=...) matching how the forward "
+            f"stacks its rows, or {_FALLBACK}"
         )
     width = tensor.shape[-1]
     shaped = tensor.reshape(copies, rows, -1, width)
@@ -427,19 +705,18 @@ def _per_row_gradient(x: torch.Tensor | None, d: torch.Tensor, bias: bool) -> to
 def _add_contraction(
     stack: torch.Tensor,
     capture: _Capture,
-    delta: torch.Tensor,
+    x: torch.Tensor | None,
+    d: torch.Tensor,
     coefficients: torch.Tensor,
-    rows: int,
-    copies: int,
 ) -> None:
-    """stack[:, slot] += sum_r c[k, r] (row r's gradient of the capture's parameters)."""
-    dtype = stack.dtype
-    d = _rows_view(delta, rows, copies, capture.slots.name).to(dtype)
+    """stack[:, slot] += sum_r c[k, r] (row r's gradient of the capture's parameters),
+    from (rows, positions, width) views of the call's input ``x`` and output gradient."""
+    d = d.to(stack.dtype)
     slots = capture.slots
     if slots.weight is not None:
-        x = _rows_view(capture.inputs.detach(), rows, copies, slots.name).to(dtype)
         start, end = slots.weight
-        stack[:, start:end].addmm_(coefficients, _per_row_gradient(x, d, bias=False))
+        gradient = _per_row_gradient(x.to(stack.dtype), d, bias=False)
+        stack[:, start:end].addmm_(coefficients, gradient)
     if slots.bias is not None:
         start, end = slots.bias
         stack[:, start:end].addmm_(coefficients, d.sum(dim=1))
