@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mogradient_diffusion.config.devices import parse_device
+from mogradient_diffusion.config.model_limits import max_resolution
 from mogradient_diffusion.config.settings import (
     ConfigError,
     ModelConfig,
@@ -34,6 +33,7 @@ from mogradient_diffusion.config.settings import (
     StrategyConfig,
     TrainConfig,
 )
+from mogradient_diffusion.config.yaml_text import YamlProblem, parse_yaml, read_yaml
 from mogradient_diffusion.model.families import FAMILIES
 from mogradient_diffusion.model.pipeline_files import AUTO
 from mogradient_diffusion.model.policy import DTYPES, SHARDING, LoraSpec
@@ -225,9 +225,9 @@ def run_home(path: Path) -> Path | None:
 def read_run_config(path: Path) -> dict[str, Any]:
     """A run's saved config (``config.yaml``), or a one-line ConfigError saying it is damaged."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        problem = f"cannot be read ({type(error).__name__})"
+        data = read_yaml(path)
+    except YamlProblem as error:
+        problem = f"cannot be read (it is {error})"
     else:
         if isinstance(data, dict) and data:
             return data
@@ -271,6 +271,7 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
             raise ConfigError(f"{key} must be >= 1, got {value}")
     if rollout.resolution % 16:
         raise ConfigError(f"rollout.resolution must be a multiple of 16, got {rollout.resolution}")
+    _check_resolution_fits(rollout.resolution, config.model.path)
     if not 0 < train.timestep_fraction <= 1:
         raise ConfigError(
             f"train.timestep_fraction must be in (0, 1], got {train.timestep_fraction}"
@@ -281,6 +282,18 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
     objective_class(config.objective.name).check_config(
         config.objective.settings, config.rollout, config.train
     )
+
+
+def _check_resolution_fits(resolution: int, model_path: str | None) -> None:
+    """A resolution beyond the transformer's position embedding fails in the first forward
+    pass, after the model has loaded; ``max_resolution`` reads the bound off its configs."""
+    limit = max_resolution(model_path)
+    if limit is not None and resolution > limit:
+        model = "the tiny model (model.path unset)" if model_path is None else model_path
+        raise ConfigError(
+            f"rollout.resolution={resolution} is more than {model} can take (its position "
+            f"embedding covers {limit} px): choose a multiple of 16 from 16 to {limit}"
+        )
 
 
 def _check_ranges(config: TrainingConfig) -> None:
@@ -381,12 +394,27 @@ def _check_batch_arithmetic(config: TrainingConfig, world_size: int) -> None:
 
 
 def import_reward_modules(modules: list[str]) -> None:
-    """Import the modules whose ``@register_reward`` classes a config names."""
+    """Import the modules whose ``@register_reward`` classes a config names.
+
+    A user's module may fail in any way while it runs (a missing key, a syntax error, a
+    ``sys.exit``): the error is the user's to fix, so it is one line naming the module.
+    """
     for module in modules:
         try:
             importlib.import_module(module)
         except ImportError as error:
             raise ConfigError(f"reward_modules: cannot import {module!r}: {error}") from error
+        except (Exception, SystemExit) as error:
+            raise ConfigError(
+                f"reward_modules: importing {module!r} raised {_one_line(error)}; fix the "
+                "module, or leave it out"
+            ) from error
+
+
+def _one_line(error: BaseException) -> str:
+    """``Type: first line of the message``; ``sys.exit(3)`` reads ``SystemExit: 3``."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _check_reward_options(reward: RewardConfig, cls: type) -> None:
@@ -491,15 +519,16 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A YAML config with its ``base:`` chain resolved (``seen``: the files that include it)."""
-    if path.resolve() in seen:
-        chain = " -> ".join(str(p) for p in (*seen, path.resolve()))
+    resolved = _resolved(path)
+    if resolved in seen:
+        chain = " -> ".join(str(p) for p in (*seen, resolved))
         raise ConfigError(f"`base:` files include each other in a cycle: {chain}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+        data = read_yaml(path) or {}
+    except YamlProblem as error:
+        raise ConfigError(f"{path} is {error}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping at the top level")
     base = data.pop("base", None)
@@ -507,8 +536,20 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if base is not None:
         if not isinstance(base, str) or not base:
             raise ConfigError(f"{path}: `base:` must name a YAML file, got {base!r}")
-        data = _merge_layer(_read_yaml(path.parent / base, (*seen, path.resolve())), data)
+        data = _merge_layer(_read_yaml(path.parent / base, (*seen, resolved)), data)
     return data
+
+
+def _resolved(path: Path) -> Path:
+    """``path`` with its links followed; a link that leads back to itself is a ConfigError
+    (Python before 3.13 raises RuntimeError for it, later ones OSError)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        raise ConfigError(
+            f"config file {path} is a symbolic link that leads back to itself: point it "
+            "at a YAML file"
+        ) from None
 
 
 @functools.cache
@@ -544,9 +585,9 @@ def _parse_override(text: str) -> dict[str, Any]:
     if not sep or not key:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     try:
-        parsed = yaml.safe_load(value) if value else None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({error})") from None
+        parsed = parse_yaml(value) if value else None
+    except YamlProblem as error:
+        raise ConfigError(f"override {text!r}: the value is {error}") from None
     if key in _sections() and not isinstance(parsed, dict):
         raise ConfigError(
             f"override {text!r}: {key} is a section of settings; set one of its keys "

@@ -29,6 +29,7 @@ from .aesthetic import aesthetic_head, load_aesthetic_head
 from .base import Metadata, Reward, to_uint8_images
 from .local_weights import TOKENIZER_FILES, WEIGHT_FILES, require_files
 from .registry import register_reward
+from .state_files import load_state_dict
 
 HOW_TO_GET = (
     "On a machine with hub access download `ImageReward.pt` and `med_config.json` from "
@@ -237,13 +238,7 @@ def _blip_config(
     )
 
 
-def _load_state(path: Path) -> dict[str, Tensor]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    return state.get("state_dict", state)
+EXPECTED_CHECKPOINT = "the ImageReward.pt released in THUDM/ImageReward"
 
 
 def convert_image_reward_checkpoint(
@@ -279,21 +274,33 @@ def convert_image_reward_checkpoint(
     )
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
-    blip, head, unknown = rename_image_reward_state(_load_state(Path(checkpoint_path)))
+    checkpoint_path = Path(checkpoint_path)
+    state = load_state_dict(checkpoint_path, EXPECTED_CHECKPOINT)
+    blip, head, unknown = rename_image_reward_state(state)
     if unknown and strict:
-        raise ValueError(f"unknown ImageReward checkpoint keys: {unknown[:10]}")
+        raise ValueError(
+            f"{checkpoint_path} has unknown ImageReward checkpoint keys {unknown[:10]}: "
+            f"expected {EXPECTED_CHECKPOINT}"
+        )
     med = json.loads(Path(med_config).read_text()) if med_config is not None else {}
 
     tokenizer = BertTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     tokenizer.add_special_tokens({"bos_token": "[DEC]"})
     tokenizer.add_special_tokens({"additional_special_tokens": ["[ENC]"]})
-    vocab = blip["text_encoder.embeddings.word_embeddings.weight"].shape[0]
+    try:
+        vocab = blip["text_encoder.embeddings.word_embeddings.weight"].shape[0]
+        bos, sep = tokenizer.bos_token_id, tokenizer.sep_token_id
+        config = _blip_config(blip, med, vision_heads, bos, sep)
+    except KeyError as error:  # a state dict of some other model
+        raise ValueError(
+            f"{checkpoint_path} has no BLIP tensor {error.args[0]!r}: expected "
+            f"{EXPECTED_CHECKPOINT}"
+        ) from None
     if len(tokenizer) != vocab:
         raise ValueError(
             f"tokenizer has {len(tokenizer)} tokens with [DEC] and [ENC], the checkpoint "
             f"{vocab}: use the bert-base-uncased tokenizer"
         )
-    config = _blip_config(blip, med, vision_heads, tokenizer.bos_token_id, tokenizer.sep_token_id)
 
     with torch.device("meta"):
         expected = BlipForImageTextRetrieval(config).state_dict()

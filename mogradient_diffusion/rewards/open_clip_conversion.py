@@ -16,17 +16,19 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 from torch import Tensor
+
+from mogradient_diffusion.rewards.state_files import load_state_dict
 
 # open_clip's ViT-H-14: vision head width 80 (1280 / 80 = 16 heads), text heads 16.
 VIT_H_14_HEADS = {"vision": 16, "text": 16}
+EXPECTED = "an open_clip CLIP checkpoint such as HPS_v2.1_compressed.pt"
 
 
 def load_open_clip_state(path: str | os.PathLike) -> dict[str, Tensor]:
-    """The model state of an open_clip checkpoint (bare, or under ``state_dict``)."""
-    checkpoint = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
-    state = checkpoint.get("state_dict", checkpoint)
+    """The model state of an open_clip checkpoint (bare, or under ``state_dict``); a
+    ValueError naming the file when it holds none."""
+    state = load_state_dict(Path(path).expanduser(), EXPECTED)
     return {key.removeprefix("module."): value for key, value in state.items()}
 
 
@@ -141,10 +143,10 @@ def convert_open_clip_checkpoint(
     from transformers import AutoTokenizer, CLIPConfig, CLIPModel
 
     state = load_open_clip_state(checkpoint)
+    converted = _renamed(state, checkpoint)  # a wrong file fails before the tokenizer loads
     tokenizer = AutoTokenizer.from_pretrained(processor_dir, local_files_only=True)
     config = CLIPConfig(**clip_config_from_open_clip(state, vision_heads, text_heads, tokenizer))
     model = CLIPModel(config)
-    converted = open_clip_to_transformers(state)
     result = model.load_state_dict(converted, strict=False)
     unexpected = [key for key in result.missing_keys if not key.endswith("position_ids")]
     if unexpected or result.unexpected_keys:
@@ -160,6 +162,17 @@ def convert_open_clip_checkpoint(
         json.dumps({"source": str(checkpoint), "processor": str(processor_dir)}, indent=2)
     )
     return out
+
+
+def _renamed(state: dict[str, Tensor], checkpoint: str | os.PathLike) -> dict[str, Tensor]:
+    """``open_clip_to_transformers``, with a missing tensor (the state dict of some other
+    model) a one-line ValueError naming the file."""
+    try:
+        return open_clip_to_transformers(state)
+    except KeyError as error:
+        raise ValueError(
+            f"{checkpoint} has no tensor {error.args[0]!r}: expected {EXPECTED}"
+        ) from None
 
 
 _WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")

@@ -13,6 +13,11 @@ R = TypeVar("R", bound=type[Reward])
 
 def register_reward(cls: R) -> R:
     """Class decorator: make ``cls`` constructible by ``make_reward(cls.name)``."""
+    if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+        raise TypeError(
+            f"@register_reward: {cls.__qualname__} has no `name`; give it a class attribute "
+            'such as name = "my_reward", the name configs list it by'
+        )
     existing = REWARDS.get(cls.name)
     if existing is not None and existing is not cls:
         raise ValueError(f"reward name {cls.name!r} is already taken by {existing.__qualname__}")

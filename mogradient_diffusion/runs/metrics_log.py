@@ -50,8 +50,8 @@ class RunLog:
             return
         kept = [
             line
-            for line in self.path.read_text().splitlines()
-            if _step_of(line) is not None and _step_of(line) < step
+            for line in _lines(self.path)
+            if line is not None and _step_of(line) is not None and _step_of(line) < step
         ]
         # Written aside and renamed over: a full disk mid-write must not cut the record.
         temporary = self.path.with_name(f".{self.path.name}.tmp")
@@ -61,6 +61,18 @@ class RunLog:
         except OSError as error:
             temporary.unlink(missing_ok=True)
             raise OSError(error.errno, error.strerror, str(self.path)) from error
+
+
+def _lines(path: Path) -> list[str | None]:
+    """The lines of ``path``, None for one that is not UTF-8 text: a crash mid-write (or a
+    disk that lost a block) can leave binary bytes where a record was cut."""
+    lines: list[str | None] = []
+    for raw in path.read_bytes().splitlines():
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            lines.append(None)
+    return lines
 
 
 def _step_of(line: str) -> int | None:
@@ -75,11 +87,11 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The per-step records of a run, in order. A torn last line (a run killed mid-write)
     is left out, as a resume would drop it; a damaged line elsewhere is a ValueError."""
     path = Path(run_dir) / "metrics.jsonl"
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    lines = [(n, line) for n, line in enumerate(_lines(path), 1) if line is None or line.strip()]
     records = []
     for index, (number, line) in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            records.append(json.loads(line or ""))
         except ValueError:
             if index < len(lines) - 1:
                 raise ValueError(f"{path}:{number} is not a JSON record") from None

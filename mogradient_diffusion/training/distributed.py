@@ -1,7 +1,8 @@
 """Process-group plumbing for ``torchrun``: one object the trainer asks for ranks and collectives.
 
 Without ``torchrun`` (no ``WORLD_SIZE`` in the environment) every collective is the
-identity, so the same loop runs on one CPU or GPU.
+identity, so the same loop runs on one CPU or GPU. torchrun's variables left behind in a
+shell with values no torchrun would set are refused in one line, before any work.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import torch
 import torch.distributed as dist
 
 from mogradient.gradients import flat_gradient, write_gradient
+from mogradient_diffusion.config.settings import ConfigError
+
+# What init_process_group reads besides WORLD_SIZE: torchrun sets them all.
+RENDEZVOUS_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+_FIX = "torchrun sets it: unset it to train in one process, or start the run with torchrun"
 
 
 @dataclass
@@ -27,14 +33,14 @@ class World:
 
     @staticmethod
     def size_from_environment() -> int:
-        """The world size torchrun announced (1 without torchrun), known before any setup."""
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        """The world size torchrun announced (1 without torchrun), known before any setup;
+        checks the other variables too, so that a bad one stops the run here."""
+        return _environment()[0]
 
     @classmethod
     def from_environment(cls, device: str = "auto") -> World:
         """Join the torchrun process group if there is one (gloo on CPU, NCCL on CUDA)."""
-        size = int(os.environ.get("WORLD_SIZE", "1"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        size, local_rank = _environment()
         if device == "auto":
             device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
         resolved = torch.device(device)
@@ -103,3 +109,36 @@ class World:
     def close(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _environment() -> tuple[int, int]:
+    """(WORLD_SIZE, LOCAL_RANK) as torchrun sets them; a ConfigError naming the variable
+    for values it never sets (a rank is below the world size, which counts processes)."""
+    size = _variable("WORLD_SIZE", default=1, minimum=1)
+    local_rank = _variable("LOCAL_RANK", default=0, minimum=0)
+    rank = _variable("RANK", default=0, minimum=0)
+    if "WORLD_SIZE" in os.environ:
+        for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank)):
+            if value >= size:
+                raise ConfigError(
+                    f"{name}={value} in the environment is not below WORLD_SIZE={size}; {_FIX}"
+                )
+    missing = [name for name in RENDEZVOUS_VARIABLES if name not in os.environ]
+    if size > 1 and missing:
+        raise ConfigError(
+            f"WORLD_SIZE={size} is in the environment but {', '.join(missing)} not; {_FIX}"
+        )
+    return size, local_rank
+
+
+def _variable(name: str, default: int, minimum: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} in the environment is not an integer; {_FIX}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} in the environment must be >= {minimum}; {_FIX}")
+    return value
