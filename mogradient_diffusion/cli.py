@@ -1,14 +1,20 @@
 """``mogradient-diffusion train|plot|eval|compare|convert-*``: the command-line entry point.
 
 Configuration problems are reported as one line naming the key and the fix, before any
-model loads; no traceback for user errors.
+model loads; no traceback for user errors. Ctrl-C (exit 130), SIGTERM (exit 143) and running
+out of GPU memory end in one line too, saying what was kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from mogradient_diffusion.config.loading import ConfigError, TrainingConfig, load_config, run_home
@@ -78,6 +84,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     convert_ir.add_argument("out_dir", type=Path)
     convert_ir.add_argument("--med-config", type=Path, help="med_config.json of the release")
     args = parser.parse_args(argv)
+    with _stop_signals(_forced_stop(args)):
+        try:
+            return _command(args)
+        except KeyboardInterrupt as stop:  # where a command says nothing more of its own
+            print(f"\nmogradient-diffusion {args.command}: {_stopped(stop)}", file=sys.stderr)
+            return _exit_code(stop)
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command == "plot":
         return _plot(args.run_dir)
     if args.command == "eval":
@@ -89,6 +104,115 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "convert-image-reward":
         return _convert_image_reward(args)
     return _train(args.config, args.preset, args.overrides, args.allow_config_change)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be, so that the same cleanup and report run."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _forced_stop(args: argparse.Namespace) -> str:
+    """What stays safe when a second signal stops the command before its cleanup ends."""
+    if args.command == "train":
+        return "checkpoints are never half-written: the same command resumes from the last one"
+    if args.command == "eval":
+        return (
+            f"an unfinished evaluation may remain in {Path(args.out) / '.eval-in-progress'} "
+            "(the next eval there removes it); the evaluations that finished are whole"
+        )
+    return "its cleanup did not finish"
+
+
+@contextmanager
+def _stop_signals(forced: str) -> Iterator[None]:
+    """The first Ctrl-C raises KeyboardInterrupt, the first SIGTERM ``Terminated``; a second
+    one, during the cleanup the first began, ends the process at once with one line
+    (``forced``: what is safe then), not a second traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; Python's defaults stay
+        return
+    received: list[int] = []
+
+    def on_signal(number: int, frame: object) -> None:
+        if received:
+            name = signal.Signals(number).name
+            line = f"\nmogradient-diffusion: {name} again: stopped at once; {forced}"
+            print(line, file=sys.stderr, flush=True)
+            os._exit(128 + number)
+        received.append(number)
+        raise Terminated() if number == signal.SIGTERM else KeyboardInterrupt()
+
+    previous = {number: signal.signal(number, on_signal) for number in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _stopped(stop: KeyboardInterrupt) -> str:
+    return "stopped by SIGTERM" if isinstance(stop, Terminated) else "interrupted"
+
+
+def _exit_code(stop: KeyboardInterrupt) -> int:
+    """128 + the signal, as the shell reports a process it ended: 143 SIGTERM, 130 Ctrl-C."""
+    return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
+
+
+# Where `train` and `eval` run out of GPU memory (a function on the traceback, the stage)
+# and what to lower there (docs/diffusion/memory.md).
+Stage = tuple[str, str, str]
+TRAIN_MEMORY: tuple[Stage, ...] = (
+    (
+        "_train_on",
+        "in the training step",
+        "lower train.batch_size (raise train.gradient_accumulation to keep the step's "
+        "size) or set model.gradient_checkpointing=true",
+    ),
+    ("rollout", "while sampling", "lower rollout.batch_size (images sampled at once)"),
+    (
+        "load",
+        "while loading the model",
+        "set model.dtype=bfloat16, or shard it with model.shard=fsdp2 under torchrun",
+    ),
+)
+TRAIN_MEMORY_ELSEWHERE = (
+    "lower rollout.batch_size or train.batch_size, or set model.gradient_checkpointing=true"
+)
+EVAL_MEMORY: tuple[Stage, ...] = (
+    (
+        "generate_and_score",
+        "while generating",
+        "lower --batch-size (images generated at once; the results do not depend on it)",
+    ),
+    ("load_pipeline", "while loading the model", "use --dtype bfloat16"),
+)
+EVAL_MEMORY_ELSEWHERE = "lower --batch-size, or use --dtype bfloat16"
+
+
+def _out_of_memory(error: BaseException, stages: Sequence[Stage], elsewhere: str) -> str:
+    """``out of GPU memory <stage> (tried to allocate N GiB): <what to lower>``; the stage is
+    the first of ``stages`` whose function is on the traceback."""
+    names = _functions_on(error)
+    where, advice = next(
+        ((f" {where}", advice) for function, where, advice in stages if function in names),
+        ("", elsewhere),
+    )
+    size = re.search(r"Tried to allocate ([\d.]+ \w+)", str(error))
+    tried = "" if size is None else f" (tried to allocate {size.group(1)})"
+    return f"out of GPU memory{where}{tried}: {advice}"
+
+
+def _functions_on(error: BaseException) -> set[str]:
+    """The names of this package's functions on ``error``'s traceback."""
+    names, entry = set(), error.__traceback__
+    while entry is not None:
+        if entry.tb_frame.f_globals.get("__name__", "").startswith("mogradient_diffusion."):
+            names.add(entry.tb_frame.f_code.co_name)
+        entry = entry.tb_next
+    return names
 
 
 def _add_eval_parser(commands) -> None:
@@ -213,6 +337,8 @@ RUN_FLAGS = (
 
 
 def _eval(args: argparse.Namespace) -> int:
+    import torch
+
     from mogradient_diffusion.evaluation.evaluate import EvalSettings, evaluate
     from mogradient_diffusion.evaluation.few_step import evaluate_at_steps
     from mogradient_diffusion.rewards import MissingWeightsError, RewardError
@@ -242,6 +368,14 @@ def _eval(args: argparse.Namespace) -> int:
         # ConfigError (a bad --reward-module) is a ValueError too.
         print(f"mogradient-diffusion eval: {error}", file=sys.stderr)
         return 2
+    except torch.cuda.OutOfMemoryError as error:
+        memory = _out_of_memory(error, EVAL_MEMORY, EVAL_MEMORY_ELSEWHERE)
+        print(f"mogradient-diffusion eval: {memory}; {_eval_kept(args.out)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as stop:
+        stopped = f"{_stopped(stop)}; {_eval_kept(args.out)}"
+        print(f"\nmogradient-diffusion eval: {stopped}", file=sys.stderr)
+        return _exit_code(stop)
     if args.steps_sweep is None:
         print(f"evaluation written to {out} (summary.md, summary.json, samples.jsonl, grid.png)")
         return 0
@@ -251,6 +385,14 @@ def _eval(args: argparse.Namespace) -> int:
         f"one evaluation per count in {out}/steps_NN/"
     )
     return 0
+
+
+def _eval_kept(out: str) -> str:
+    """What a stopped evaluation leaves: it writes into a staging folder, published whole."""
+    return (
+        f"nothing is half-written: the unfinished evaluation was discarded, and {out} "
+        "holds only evaluations that finished (if any)"
+    )
 
 
 def _run_flags(args: argparse.Namespace) -> dict:
@@ -332,7 +474,12 @@ def _convert_hps(checkpoint: Path, processor_dir: Path, out_dir: Path) -> int:
         if not path.exists():
             print(f"mogradient-diffusion convert-hps: {path} does not exist", file=sys.stderr)
             return 2
-    print(convert_open_clip_checkpoint(checkpoint, processor_dir, out_dir))
+    try:
+        out = convert_open_clip_checkpoint(checkpoint, processor_dir, out_dir)
+    except ValueError as error:  # not an open_clip checkpoint: the message names the file
+        print(f"mogradient-diffusion convert-hps: {error}", file=sys.stderr)
+        return 2
+    print(out)
     return 0
 
 
@@ -342,17 +489,20 @@ def _train(
     """Exit 2 for what the user must fix (config, lock, files), 1 for a run that failed."""
     from mogradient_diffusion.training.distributed import World
 
-    world_size = World.size_from_environment()
     if preset is None and config_path is None:
         preset = "tiny"
     try:
+        world_size = World.size_from_environment()  # torchrun's variables, checked first
         config = load_config(config_path, overrides, preset=preset, world_size=world_size)
     except ConfigError as error:
         print(f"mogradient-diffusion: configuration error: {error}", file=sys.stderr)
         return 2
     if config_path is not None and run_home(config_path) == Path(config.run.directory):
         _note_moved_run(config_path)
+    import torch
+
     from mogradient_diffusion.rewards import RewardError
+    from mogradient_diffusion.rewards.base import RewardTimeout
     from mogradient_diffusion.runs.checkpoint import CorruptCheckpointError
     from mogradient_diffusion.runs.lock import RunDirectoryLocked, RunLock, describe_holder
     from mogradient_diffusion.training.finite import NonFiniteError
@@ -373,8 +523,21 @@ def _train(
     except RunComplete as done:
         print(f"mogradient-diffusion: {done}", file=sys.stderr)
         return 0
-    except (RewardError, NonFiniteError, CorruptCheckpointError) as error:
+    except RewardError as error:
+        slow = "; if it is only slow, raise rollout.reward_timeout"
+        hint = slow if isinstance(error, RewardTimeout) else ""
+        print(
+            f"mogradient-diffusion: training stopped: {error}{hint}; {_saved(config)}",
+            file=sys.stderr,
+        )
+        return 1
+    except (NonFiniteError, CorruptCheckpointError) as error:
         print(f"mogradient-diffusion: training stopped: {error}", file=sys.stderr)
+        return 1
+    except torch.cuda.OutOfMemoryError as error:
+        memory = _out_of_memory(error, TRAIN_MEMORY, TRAIN_MEMORY_ELSEWHERE)
+        stopped = f"training stopped: {memory}; {_saved(config)}"
+        print(f"mogradient-diffusion: {stopped}", file=sys.stderr)
         return 1
     except OSError as error:  # a full disk, a lost mount: say which file, and what is safe
         where = f" ({error.filename})" if error.filename else ""
@@ -384,9 +547,9 @@ def _train(
             file=sys.stderr,
         )
         return 1
-    except KeyboardInterrupt:
-        print(f"\nmogradient-diffusion: interrupted; {_saved(config)}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM as Terminated
+        print(f"\nmogradient-diffusion: {_stopped(stop)}; {_saved(config)}", file=sys.stderr)
+        return _exit_code(stop)
     finally:
         lock.release()
         world.close()
@@ -446,9 +609,13 @@ def _convert_image_reward(args: argparse.Namespace) -> int:
                 f"mogradient-diffusion convert-image-reward: {path} does not exist", file=sys.stderr
             )
             return 2
-    out = convert_image_reward_checkpoint(
-        args.checkpoint, args.out_dir, args.tokenizer_dir, med_config=args.med_config
-    )
+    try:
+        out = convert_image_reward_checkpoint(
+            args.checkpoint, args.out_dir, args.tokenizer_dir, med_config=args.med_config
+        )
+    except ValueError as error:  # not an ImageReward checkpoint: the message names the file
+        print(f"mogradient-diffusion convert-image-reward: {error}", file=sys.stderr)
+        return 2
     print(out)
     return 0
 

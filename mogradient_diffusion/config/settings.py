@@ -59,6 +59,10 @@ class RolloutConfig:
     max_sequence_length: int = 256
     # Score each sampled batch in a background thread while the next one samples.
     overlap_rewards: bool = False
+    # Seconds each reward may take to score one batch (the epoch's images, or one sampled
+    # batch with overlap_rewards) before the run stops naming it; null: no limit (each
+    # reward then scores on the calling thread).
+    reward_timeout: float | None = 1800.0
 
 
 @dataclass

@@ -18,7 +18,9 @@ import logging
 import math
 import re
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -287,8 +289,8 @@ def evaluate(settings: EvalSettings) -> Path:
     """Run the whole evaluation; returns the output directory.
 
     Everything is written to a staging folder first and replaces the previous
-    evaluation in ``out`` only at the end: a failed run leaves the old results whole,
-    and a finished one leaves no stale image beside its ``samples.jsonl``.
+    evaluation in ``out`` only at the end: a failed or interrupted run leaves the old
+    results whole, and a finished one leaves no stale image beside its ``samples.jsonl``.
     """
     settings.validate()
     source = load_eval_prompts(settings)
@@ -306,19 +308,20 @@ def evaluate(settings: EvalSettings) -> Path:
         staging = fresh_staging(out)
         try:
             rows, seconds = generate_and_score(pipeline, rewards, samples, settings, staging)
+            summary = summarize(rows, rewards.names)
+            prompt_file = str(resolve_prompt_set(settings.prompts))
+            summary["settings"] = asdict(settings) | {"prompt_file": prompt_file}
+            summary["reward_seconds"] = seconds
+            summary["label"] = settings.label or out.name
+            summary["truncated_prompts"] = truncated_prompts(
+                pipeline, source.prompts, settings.max_sequence_length
+            )
+            write_outputs(staging, rows, summary, rewards.names)
         except BaseException:  # an interrupt too: leave --out as it was
             discard(staging)
             raise
-    summary = summarize(rows, rewards.names)
-    prompt_file = str(resolve_prompt_set(settings.prompts))
-    summary["settings"] = asdict(settings) | {"prompt_file": prompt_file}
-    summary["reward_seconds"] = seconds
-    summary["label"] = settings.label or out.name
-    summary["truncated_prompts"] = truncated_prompts(
-        pipeline, source.prompts, settings.max_sequence_length
-    )
-    write_outputs(staging, rows, summary, rewards.names)
-    publish(staging, out)
+    with signals_held():  # publish whole: never part old evaluation, part new
+        publish(staging, out)
     clip_limit = pipeline.tokenizer.model_max_length
     _note_truncation(summary["truncated_prompts"], len(source), clip_limit, settings)
     return out
@@ -329,20 +332,34 @@ def generate_and_score(
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Generate batch by batch into ``out/images`` while the previous batch is scored."""
     scoring = BackgroundScoring(rewards, [s.prompt for s in samples], [s.metadata for s in samples])
-    with tqdm(total=len(samples), desc="eval", unit="img", disable=not settings.progress) as bar:
-        for start in range(0, len(samples), settings.batch_size):
-            batch = samples[start : start + settings.batch_size]
-            images = generate(pipeline, batch, settings)
-            scoring.submit(slice(start, start + len(batch)), images)
-            for sample, image in zip(batch, to_uint8_images(images), strict=True):
-                Image.fromarray(image).save(out / image_path(sample))
-            bar.update(len(batch))
-    values, seconds = scoring.collect()
+    try:
+        generate_into(pipeline, samples, settings, out, scoring.submit)
+        values, seconds = scoring.collect()
+    finally:  # stopped early (Ctrl-C, an error): drop the batches not yet scored
+        scoring.close()
     rows = [
         sample_row(sample, rewards.names, scores)
         for sample, scores in zip(samples, values.tolist(), strict=True)
     ]
     return rows, seconds
+
+
+def generate_into(
+    pipeline,
+    samples: Sequence[Sample],
+    settings: EvalSettings,
+    out: Path,
+    on_images: Callable[[slice, torch.Tensor], None],
+) -> None:
+    """Generate batch by batch into ``out/images``, handing each batch to ``on_images``."""
+    with tqdm(total=len(samples), desc="eval", unit="img", disable=not settings.progress) as bar:
+        for start in range(0, len(samples), settings.batch_size):
+            batch = samples[start : start + settings.batch_size]
+            images = generate(pipeline, batch, settings)
+            on_images(slice(start, start + len(batch)), images)
+            for sample, image in zip(batch, to_uint8_images(images), strict=True):
+                Image.fromarray(image).save(out / image_path(sample))
+            bar.update(len(batch))
 
 
 def write_outputs(
@@ -386,6 +403,25 @@ def discard(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     if not any(staging.parent.iterdir()):
         staging.parent.rmdir()
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends, then reach the handler they would have
+    reached: what the block writes is never left half-done."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers, and only it runs them
+        return
+    held: list[int] = []
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {number: signal.signal(number, lambda n, _: held.append(n)) for number in stops}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if held:
+            signal.raise_signal(held[0])
 
 
 def publish(staging: Path, out: Path) -> None:

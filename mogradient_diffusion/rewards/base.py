@@ -29,6 +29,10 @@ class RewardError(RuntimeError):
     """A reward raised or returned invalid scores; the message names the reward."""
 
 
+class RewardTimeout(RewardError):
+    """A reward did not finish one batch within its timeout: it hangs, or is far too slow."""
+
+
 class Reward(ABC):
     """Base class: subclasses set ``name`` and ``value_range`` and implement ``score``.
 

@@ -19,8 +19,15 @@ from mogradient_diffusion.config.loading import ConfigError
 
 # Never part of the comparison: the length of the run, console noise, the directory
 # itself (a run may be moved), the gradient engine and the sharding of the frozen weights
-# (the same gradients up to round-off).
-FREE = ("train.epochs", "run.quiet", "run.directory", "train.gradient_engine", "model.shard")
+# (the same gradients up to round-off), and the reward watchdog's timeout.
+FREE = (
+    "train.epochs",
+    "run.quiet",
+    "run.directory",
+    "train.gradient_engine",
+    "model.shard",
+    "rollout.reward_timeout",
+)
 # Cached weights, prompt streams, RNG streams and adapter shapes (rank, targets) are saved
 # under these. The objective's name too: its saved state (an advantage tracker) belongs to it.
 FIXED = (

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from mogradient_diffusion.evaluation import evaluate
 from mogradient_diffusion.evaluation.inputs import resolve_device
 from mogradient_diffusion.mini import world
 from mogradient_diffusion.model.policy import LoraSpec, Policy
-from mogradient_diffusion.rewards import REWARDS, Reward, RewardSet, background, make_reward
+from mogradient_diffusion.rewards import REWARDS, Reward, RewardSet, make_reward
 from mogradient_diffusion.rewards.base import Metadata
 
 from .reward_models import (
@@ -281,19 +280,6 @@ def lora_dir(tiny_pipeline_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     return policy.save_lora(tmp_path_factory.mktemp("lora"))
 
 
-class GuardedWorkers(ThreadPoolExecutor):
-    """A pool whose tasks run inside the guard: its mode is per thread, so the scoring
-    thread would otherwise find the rewards' models outside it (a GPU has no such limit)."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        return super().submit(run_guarded, fn, *args, **kwargs)
-
-
-def run_guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    with logical_accelerator():
-        return fn(*args, **kwargs)
-
-
 def host_generator(seed: int, device: torch.device) -> torch.Generator:
     """The logical device has no generator; diffusers draws on a CPU one and moves the noise."""
     return torch.Generator().manual_seed(seed)
@@ -378,7 +364,6 @@ def test_evaluation_runs_on_the_accelerator_as_on_the_cpu(
 
     monkeypatch.setattr(evaluate, "resolve_device", accept_the_accelerator)
     monkeypatch.setattr(evaluate, "sample_generator", host_generator)
-    monkeypatch.setattr(background, "ThreadPoolExecutor", GuardedWorkers)
     settings = eval_settings(*paths, tmp_path / "lazy")
     with logical_accelerator() as device:
         evaluate.evaluate(replace(settings, device=str(device)))
