@@ -40,6 +40,7 @@ from mogradient import conflict_diagnostics, flat_gradient
 from mogradient.combinable import CombinableLoss
 from mogradient.distributed import apply_weights
 from mogradient.gradients import accumulate_gradients
+from mogradient.row_gradients import RowGradientError
 from mogradient_diffusion.config.loading import ConfigError, TrainingConfig
 from mogradient_diffusion.model.families import Family, family_named
 from mogradient_diffusion.model.families.base import UnsupportedGuidance
@@ -296,19 +297,23 @@ class Trainer:
             progress=self.world.is_main and not self.config.run.quiet,
             on_images=None if background is None else background.submit,
         )
-        batch = self.objective.rollout(self.policy, request, self._score)
-        if not all_finite([batch.images]):
-            raise NonFiniteError(
-                f"epoch {self.epoch}: the policy sampled non-finite images (diverged weights: "
-                "is train.learning_rate or lora.alpha far too large?); the rewards were not "
-                f"asked to score them; {self._kept_checkpoint()}"
-            )
-        times[keys.ROLLOUT_TIME] = time.perf_counter() - started
-        started = time.perf_counter()  # overlapped: only the wait after sampling is counted
-        if background is not None:
-            rewards, reward_seconds = background.collect()
-        else:
-            rewards, reward_seconds = self.rewards(batch.images, prompts, metadata)
+        try:
+            batch = self.objective.rollout(self.policy, request, self._score)
+            if not all_finite([batch.images]):
+                raise NonFiniteError(
+                    f"epoch {self.epoch}: the policy sampled non-finite images (diverged "
+                    "weights: is train.learning_rate or lora.alpha far too large?); the "
+                    f"rewards were not asked to score them; {self._kept_checkpoint()}"
+                )
+            times[keys.ROLLOUT_TIME] = time.perf_counter() - started
+            started = time.perf_counter()  # overlapped: only the wait after sampling counts
+            if background is not None:
+                rewards, reward_seconds = background.collect()
+            else:
+                rewards, reward_seconds = self.rewards(batch.images, prompts, metadata)
+        finally:  # stopped early (Ctrl-C, an error): drop the chunks not yet scored
+            if background is not None:
+                background.close()
         times[keys.REWARD_TIME] = time.perf_counter() - started
         epoch_data, stats = self._advantages(rewards, batch)
         started = time.perf_counter()
@@ -472,7 +477,7 @@ class Trainer:
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Per-objective gradients (the KL term straight to ``.grad``), solve, apply."""
         started = time.perf_counter()
-        stack = self.gradients.stack(losses, count)
+        stack = self._stack(losses, count, replay)
         record: dict[str, Any] = {keys.BACKWARD_TIME: time.perf_counter() - started}
         self._check_engine(stack, replay, count)
         started = time.perf_counter()
@@ -495,6 +500,24 @@ class Trainer:
             {keys.SOLVED: 1, keys.FALLBACK: solved.fallback, keys.ENGINE: self.gradients.name}
         )
         return weights, record
+
+    def _stack(
+        self, losses: LossStream, count: int, replay: Callable[[], LossStream]
+    ) -> torch.Tensor:
+        """The step's per-objective stack. Where the per-row engine refuses this model (it
+        would get its rows wrong) the step is replayed with K backward passes, and the run
+        goes on with them."""
+        try:
+            return self.gradients.stack(losses, count)
+        except RowGradientError as error:
+            engine = self.gradients.name
+            self.gradients.use_k_backward()
+            self.optimizer.zero_grad(set_to_none=True)  # a refused pass may have begun .grad
+            self._warn(
+                f"the {engine} gradient engine refused this model ({error}); training goes "
+                "on with the K-backward engine (train.gradient_engine=batched)"
+            )
+            return self.gradients.stack(replay(), count)
 
     def _check_engine(
         self, stack: torch.Tensor, replay: Callable[[], LossStream], count: int
@@ -757,13 +780,18 @@ def missing_exports(run_dir: Path, epoch: int) -> list[str]:
 def build_rewards(config: TrainingConfig) -> RewardSet:
     """The configured rewards; a constructor that fails (missing weights, bad option values,
     a user reward's own check) is a configuration error naming the reward."""
+    timeout = config.rollout.reward_timeout
+    if timeout is not None and not timeout > 0:
+        raise ConfigError(
+            f"rollout.reward_timeout must be > 0 seconds (or null: no limit), got {timeout}"
+        )
     rewards = []
     for reward in config.rewards:
         try:
             rewards.append(make_reward(reward.name, **reward.options))
         except Exception as error:
             raise ConfigError(f"reward {reward.name!r} could not be built: {error}") from error
-    return RewardSet(rewards)
+    return RewardSet(rewards, timeout=timeout)
 
 
 def _model_family(config: TrainingConfig) -> Family:

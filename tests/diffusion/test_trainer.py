@@ -533,3 +533,23 @@ def test_an_engine_that_disagrees_is_replaced_by_k_backward_passes(
     assert "planted disagreement" in capsys.readouterr().err
     steps = [s for r in read_metrics(run) for s in r["optimizer_steps"] if s["solved"]]
     assert steps and all(step["engine"] == "batched" for step in steps)
+
+
+@pytest.mark.slow
+def test_an_engine_that_refuses_the_model_is_replaced_by_k_backward_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The per-row engine refusing a model mid-pass (it would get its rows wrong) does not
+    stop the run: the step is replayed with K backward passes, with a warning."""
+    from mogradient.row_gradients import RowGradientError, RowGradients
+
+    def refuse(*args, **kwargs):
+        raise RowGradientError("planted refusal")
+
+    monkeypatch.setattr(RowGradients, "accumulate", refuse)
+    run = tmp_path / "run"
+    overrides = [f"run.directory={run}", "run.quiet=true", "train.epochs=1", "strategy.period=1"]
+    assert main(["train", "--preset", "tiny", *overrides]) == 0
+    assert "refused this model (planted refusal)" in capsys.readouterr().err
+    steps = [s for r in read_metrics(run) for s in r["optimizer_steps"] if s["solved"]]
+    assert steps and all(step["engine"] == "batched" for step in steps)
