@@ -2,10 +2,14 @@
 
 This is the QP inside UPGrad and DualProj. With G = J J^T, its solution v gives the
 projection of J^T lower onto the dual cone {d : J d >= 0} as d = J^T v (Quinton & Rey
-2024, Prop. 1). K is small (2..64), so we solve it exactly in float64 and report a KKT
-residual; ``cvxpy`` and ``qpsolvers:<name>`` backends exist to cross-check.
+2024, Prop. 1). We solve it exactly in float64 and report a KKT residual; ``cvxpy`` and
+``qpsolvers:<name>`` backends exist to cross-check.
 
-The built-in solver never forms normal equations, which square the condition number
+UPGrad needs K of these QPs on one Gram: :func:`solve_cone_qps_factored` factors it once
+and solves them all together (:mod:`mogradient._batched_cone`, normal equations, each
+answer certified by its KKT residual), and only the ones it cannot certify one by one.
+
+The one-by-one solver never forms normal equations, which square the condition number
 and fail on near-dependent gradients (an opposed pair, near duplicates). It works in
 the span of the gradients: a square root A of the unit-diagonal Gram (A^T A = cosines,
 from its eigen-decomposition) stands in for J, Lawson & Hanson's NNLS runs on A with
@@ -20,7 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from mogradient._batched_cone import project_all
 from mogradient._external_qp import solve_with_cvxpy, solve_with_qpsolvers
 from mogradient._gram import validated_gram
 from mogradient._span import coordinates_from_cosines
@@ -85,42 +91,65 @@ def solve_cone_qp_factored(
     cosines are ignored), for callers that hold the Gram as cosines and norms
     (:class:`mogradient._gram.CosineGram`). The objective is in units of ``norms`` squared.
     """
+    lower = np.asarray(lower, dtype=np.float64)
+    return solve_cone_qps_factored(cosines, norms, lower[None, :], backend)[0]
+
+
+def solve_cone_qps_factored(
+    cosines: np.ndarray, norms: np.ndarray, lowers: np.ndarray, backend: str = "builtin"
+) -> list[ConeQPSolution]:
+    """:func:`solve_cone_qp_factored` for every row of ``lowers`` (m x K), one per QP.
+
+    Why together: the built-in solver factors the cosines once and solves all the QPs at
+    once (:func:`mogradient._batched_cone.project_all`), each answer certified by its KKT
+    residual; the few it cannot certify are solved one by one, exactly as alone.
+    """
     cosines = np.asarray(cosines, dtype=np.float64)
     norms = np.asarray(norms, dtype=np.float64)
-    lower = np.asarray(lower, dtype=np.float64)
-    top = float(np.max(norms))
-    lower_scale = float(np.max(np.abs(lower)))
-    if top <= 0.0 or lower_scale == 0.0:
-        # Every feasible v (in particular v = lower) is optimal, or v = lower = 0.
-        return ConeQPSolution(lower.copy(), _objective(cosines, norms, lower), 0.0, backend)
-    sizes = norms / top
-    normalized_lower = lower / lower_scale
-    if backend == "builtin":
-        weights, residual = _solve_builtin(cosines, sizes, normalized_lower)
-    elif backend == "cvxpy" or backend.startswith("qpsolvers:"):
-        normalized_gram = cosines * np.outer(sizes, sizes)
-        if backend == "cvxpy":
-            weights = solve_with_cvxpy(normalized_gram, normalized_lower)
-        else:
-            solver = backend.split(":", 1)[1]
-            weights = solve_with_qpsolvers(normalized_gram, solver, normalized_lower)
-        # Solver round-off may leave v a hair below the bound; clipping only moves it inward.
-        weights = np.maximum(weights, normalized_lower)
-        residual = cone_kkt_residual(normalized_gram, normalized_lower, weights)
-    else:
+    lowers = np.asarray(lowers, dtype=np.float64)
+    if backend not in ("builtin", "cvxpy") and not backend.startswith("qpsolvers:"):
         raise ValueError(
             f"unknown QP backend {backend!r}; use 'builtin', 'cvxpy' or 'qpsolvers:<solver>'"
         )
-    bounded = bool(np.all(weights >= normalized_lower))
-    weights = weights * lower_scale
-    if bounded:
-        weights = np.maximum(weights, lower)  # rescaling round-off must not cross the bound
-    return ConeQPSolution(
-        weights=weights,
-        objective=_objective(cosines, norms, weights),
-        kkt_residual=residual,
-        backend=backend,
-    )
+    top = float(np.max(norms))
+    lower_scales = np.max(np.abs(lowers), axis=1)
+    solutions: list[ConeQPSolution | None] = [None] * len(lowers)
+    solvable = np.flatnonzero(lower_scales > 0) if top > 0 else np.array([], dtype=int)
+    sizes = norms / top if top > 0 else norms
+    normalized = lowers[solvable] / lower_scales[solvable, None]
+    if backend == "builtin":
+        solved = _solve_builtin_many(cosines, sizes, normalized)
+    else:
+        solved = [_solve_external(cosines, sizes, lower, backend) for lower in normalized]
+    for index, lower, (weights, residual) in zip(solvable, normalized, solved, strict=True):
+        bounded = bool(np.all(weights >= lower))
+        weights = weights * lower_scales[index]
+        if bounded:
+            weights = np.maximum(weights, lowers[index])  # rescaling round-off must not cross
+        solutions[index] = ConeQPSolution(
+            weights, _objective(cosines, norms, weights), residual, backend
+        )
+    for index, lower in enumerate(lowers):
+        if solutions[index] is None:
+            # Every feasible v (in particular v = lower) is optimal, or v = lower = 0.
+            solutions[index] = ConeQPSolution(
+                lower.copy(), _objective(cosines, norms, lower), 0.0, backend
+            )
+    return solutions
+
+
+def _solve_external(
+    cosines: np.ndarray, sizes: np.ndarray, lower: np.ndarray, backend: str
+) -> tuple[np.ndarray, float]:
+    """Weights from cvxpy or qpsolvers on G / max(diag G), and their KKT residual."""
+    normalized_gram = cosines * np.outer(sizes, sizes)
+    if backend == "cvxpy":
+        weights = solve_with_cvxpy(normalized_gram, lower)
+    else:
+        weights = solve_with_qpsolvers(normalized_gram, backend.split(":", 1)[1], lower)
+    # Solver round-off may leave v a hair below the bound; clipping only moves it inward.
+    weights = np.maximum(weights, lower)
+    return weights, cone_kkt_residual(normalized_gram, lower, weights)
 
 
 def _objective(cosines: np.ndarray, norms: np.ndarray, weights: np.ndarray) -> float:
@@ -163,6 +192,25 @@ def project_in_span(
     return (target + multipliers) / norms, projection, residual
 
 
+def project_many_in_span(
+    coordinates: np.ndarray, norms: np.ndarray, lowers: np.ndarray
+) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """:func:`project_in_span` for every row of ``lowers`` (m x K): all at once on the
+    stack's R (:func:`mogradient._batched_cone.project_all`), the uncertified one by one."""
+    lowers = np.asarray(lowers, dtype=np.float64)
+    targets = lowers * norms
+    batch = project_all(torch.from_numpy(coordinates), torch.from_numpy(targets))
+    results = []
+    for index, lower in enumerate(lowers):
+        if not batch.certified[index]:
+            results.append(project_in_span(coordinates, norms, lower))
+            continue
+        bounded = targets[index] + batch.multipliers[index].numpy()
+        residual = float(batch.residuals[index])
+        results.append((np.maximum(bounded / norms, lower), coordinates @ bounded, residual))
+    return results
+
+
 def cone_kkt_residual(gram: np.ndarray, lower: np.ndarray, weights: np.ndarray) -> float:
     """Largest relative violation of the KKT conditions of ``min v^T G v, v >= lower``.
 
@@ -189,28 +237,62 @@ def cone_kkt_residual(gram: np.ndarray, lower: np.ndarray, weights: np.ndarray) 
     return max(dual, primal, complementarity)
 
 
+def _solve_builtin_many(
+    cosines: np.ndarray, norms: np.ndarray, lowers: np.ndarray
+) -> list[tuple[np.ndarray, float]]:
+    """:func:`_solve_builtin` for every row of ``lowers``: one factor, all QPs at once, the
+    uncertified ones one by one."""
+    rows = norms > 0
+    if not np.any(rows) or len(lowers) == 0:
+        return [(lower.copy(), 0.0) for lower in lowers]
+    factor = coordinates_from_cosines(cosines[np.ix_(rows, rows)])
+    targets = lowers[:, rows] * norms[rows]
+    batch = project_all(torch.from_numpy(factor), torch.from_numpy(targets))
+    chosen = targets + batch.multipliers.numpy()
+    weights = lowers.copy()
+    weights[:, rows] = chosen / norms[rows]
+    weights = np.maximum(weights, lowers)
+    # (G w)_k / ||g_k|| = sum_j cos_kj ||g_j|| w_j, over ||J^T lower||: as _solve_builtin.
+    sizes = np.linalg.norm(targets @ factor.T, axis=1)
+    conflicts = np.max(-((weights * norms) @ cosines[rows].T), axis=1)
+    conflicts = np.divide(conflicts, sizes, out=np.full_like(sizes, np.inf), where=sizes > 0)
+    residuals = np.maximum(batch.residuals.numpy(), conflicts)
+    return [
+        (weights[index], max(float(residuals[index]), 0.0))
+        if batch.certified[index]
+        else _solve_builtin(cosines, norms, lowers[index], factor)
+        for index in range(len(lowers))
+    ]
+
+
 def _solve_builtin(
-    cosines: np.ndarray, norms: np.ndarray, lower: np.ndarray
+    cosines: np.ndarray, norms: np.ndarray, lower: np.ndarray, factor: np.ndarray | None = None
 ) -> tuple[np.ndarray, float]:
     """Weights giving the projection J^T v*, and the KKT residual of the solve.
 
-    The residual is measured where it is accurate: projection optimality in the span
-    coordinates (see :func:`_projection_residual`), and the conflict cosines
-    -(G w)_k / (||g_k|| ||J^T lower||) of the weights actually returned.
+    ``factor`` is :func:`coordinates_from_cosines` of the rows with positive norms, when
+    the caller has it. The residual is measured where it is accurate: projection
+    optimality in the span coordinates (see :func:`_projection_residual`), and the
+    conflict cosines -(G w)_k / (||g_k|| ||J^T lower||) of the weights actually returned.
     """
     rows = norms > 0
     weights = lower.copy()
     if not np.any(rows):
         return weights, 0.0
-    factor = coordinates_from_cosines(cosines[np.ix_(rows, rows)])
+    if factor is None:
+        factor = coordinates_from_cosines(cosines[np.ix_(rows, rows)])
     target = lower[rows] * norms[rows]
     point = factor @ target
     multipliers, projection = _nonnegative_least_squares(factor, point)
     bounded = target + multipliers
-    minimal = np.linalg.lstsq(factor, projection, rcond=None)[0]
-    # v >= lower is the textbook answer; keep it unless it is the cancelling kind.
-    largest = max(float(np.max(np.abs(minimal))), float(np.max(np.abs(target))))
-    chosen = bounded if float(np.max(np.abs(bounded))) <= _CANCELLATION_LIMIT * largest else minimal
+    # v >= lower is the textbook answer; keep it unless it is the cancelling kind, i.e.
+    # over 1000x the min-norm weights giving the same projection (computed only then).
+    chosen = bounded
+    if float(np.max(np.abs(bounded))) > _CANCELLATION_LIMIT * float(np.max(np.abs(target))):
+        minimal = np.linalg.lstsq(factor, projection, rcond=None)[0]
+        largest = max(float(np.max(np.abs(minimal))), float(np.max(np.abs(target))))
+        if float(np.max(np.abs(bounded))) > _CANCELLATION_LIMIT * largest:
+            chosen = minimal
     weights[rows] = chosen / norms[rows]
     if chosen is bounded:
         weights = np.maximum(weights, lower)

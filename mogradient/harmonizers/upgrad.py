@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+import warnings
 from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from mogradient._gram import CosineGram
-from mogradient._qp_cone import near_dependent, project_in_span, solve_cone_qp_factored
+from mogradient._qp_cone import near_dependent, project_many_in_span, solve_cone_qps_factored
 from mogradient._span import coordinates_from_stack
 from mogradient.harmonizers.base import (
     Harmonizer,
@@ -23,6 +25,13 @@ from mogradient.harmonizers.promises import (
     STATIONARY_ZERO,
 )
 
+# A UPGrad solve slower than this warns, once per instance.
+SLOW_SOLVE_SECONDS = 1.0
+
+
+class SlowSolveWarning(UserWarning):
+    """A harmonizer's solve took long enough to dominate a training step."""
+
 
 class UPGrad(Harmonizer):
     """Unconflicting projection of gradients (Quinton & Rey 2024, Jacobian Descent for MOO).
@@ -31,7 +40,12 @@ class UPGrad(Harmonizer):
     dual cone {d : g_k . d >= 0 for all k}; the direction is the sum of the projections,
     so it conflicts with no objective. On the Gram matrix the projection of p_i g_i is
     J^T v_i with v_i = argmin v^T G v s.t. v >= p_i e_i, and the weights are sum_i v_i.
-    Every QP is solved exactly (:func:`mogradient._qp_cone.solve_cone_qp`).
+    Every QP is solved exactly, all K together on one factorization of the Gram
+    (:func:`mogradient._qp_cone.solve_cone_qps_factored`; each answer certified by its KKT
+    residual, the uncertified ones solved one by one). That takes ~0.25 s at K = 256 on
+    well-conditioned Grams but seconds from K = 128 on ill-conditioned or low-rank ones
+    (docs/core/methods.md, "UPGrad at large K"): a solve over ``SLOW_SOLVE_SECONDS``
+    warns once per instance (:class:`SlowSolveWarning`).
 
     ``reg_eps > 0`` reproduces TorchJD's default projector, which solves the QP on
     G / trace(G) + reg_eps * I (TorchJD uses 1e-4); the default 0 is the exact method.
@@ -58,19 +72,16 @@ class UPGrad(Harmonizer):
         self.refine_on_stack = validated_flag(refine, "refine")
 
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
-        preferences = preferences_for(self.pref_vector, objectives).numpy()
+        started = time.perf_counter()
         cosines, norms = cone_problem(gram, self.reg_eps)
-        weights = torch.zeros(len(objectives), dtype=torch.float64)
+        lowers = self._lowers(objectives)
+        weights = np.zeros(len(objectives))
         residual = 0.0
-        for index, preference in enumerate(preferences):
-            if preference == 0:
-                continue  # min v^T G v over v >= 0 is v = 0.
-            lower = np.zeros(len(objectives))
-            lower[index] = preference
-            solution = solve_cone_qp_factored(cosines, norms, lower, backend=self.backend)
-            weights += torch.from_numpy(solution.weights)
+        for solution in solve_cone_qps_factored(cosines, norms, lowers, backend=self.backend):
+            weights += solution.weights
             residual = max(residual, solution.kkt_residual)
-        return WeighResult(weights, kkt_residual=residual)
+        self._warn_if_slow(len(objectives), time.perf_counter() - started)
+        return WeighResult(torch.from_numpy(weights), kkt_residual=residual)
 
     def refine(
         self,
@@ -79,14 +90,32 @@ class UPGrad(Harmonizer):
         gram: CosineGram,
         weighting: WeighResult,
     ) -> WeighResult | None:
-        lowers = [
-            preference * np.eye(len(objectives))[index]
-            for index, preference in enumerate(
-                preferences_for(self.pref_vector, objectives).numpy()
-            )
-            if preference != 0
-        ]
-        return refined_on_stack(self, jacobian, objectives, gram, lowers)
+        started = time.perf_counter()
+        refined = refined_on_stack(self, jacobian, objectives, gram, self._lowers(objectives))
+        self._warn_if_slow(len(objectives), time.perf_counter() - started)
+        return refined
+
+    def _lowers(self, objectives: torch.Tensor) -> np.ndarray:
+        """One QP's lower bound p_i e_i per row, for the objectives with p_i > 0 (for
+        p_i = 0, min v^T G v over v >= 0 is v = 0)."""
+        preferences = preferences_for(self.pref_vector, objectives).numpy()
+        return np.diag(preferences)[preferences != 0]
+
+    def _warn_if_slow(self, count: int, seconds: float) -> None:
+        """Warn once per instance when a solve took over ``SLOW_SOLVE_SECONDS``."""
+        if seconds <= SLOW_SOLVE_SECONDS or getattr(self, "_warned_slow", False):
+            return
+        self._warned_slow = True
+        warnings.warn(
+            f"UPGrad took {seconds:.1f} s to project K = {count} gradients onto their dual "
+            "cone (K QPs of size K). Well-conditioned Grams take ~0.25 s at K = 256; "
+            "ill-conditioned or low-rank ones leave most QPs to the exact one-by-one solver: "
+            "seconds from K = 128, minutes at K = 256 (docs/core/methods.md, 'UPGrad at "
+            "large K'). Consider MGDA (one QP) or a smaller K (fewer objectives, a smaller "
+            "batch for instance-wise Grams).",
+            SlowSolveWarning,
+            stacklevel=2,
+        )
 
 
 class DualConeSettings(Protocol):
@@ -102,7 +131,7 @@ def refined_on_stack(
     jacobian: torch.Tensor,
     objectives: torch.Tensor,
     gram: CosineGram,
-    lowers: list[np.ndarray],
+    lowers: np.ndarray | list[np.ndarray],
 ) -> WeighResult | None:
     """The sum over ``lowers`` of dual-cone projections solved on the stack, for the exact
     method (refinement on, no TorchJD ridge, the built-in solver) when the Gram says the
@@ -114,8 +143,7 @@ def refined_on_stack(
     weights = np.zeros(len(objectives))
     projection = np.zeros(coordinates.shape[0])
     residual = 0.0
-    for lower in lowers:
-        part_weights, part, part_residual = project_in_span(coordinates, norms, lower)
+    for part_weights, part, part_residual in project_many_in_span(coordinates, norms, lowers):
         weights += part_weights
         projection += part
         residual = max(residual, part_residual)
