@@ -5,35 +5,17 @@ only where ``--out`` says (a smoke run never replaces the committed results)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from test_benchmarks_quick import _run_quick
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_upgrad_scaling.py"
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def run_quick(*options: str) -> subprocess.CompletedProcess[str]:
-    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", *options],
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result
-
-
 def test_quick_times_every_kind_and_method(tmp_path: Path) -> None:
-    pytest.importorskip("threadpoolctl", reason="the benchmark pins BLAS to one thread")
-    result = run_quick("--out", str(tmp_path))
+    result = _run_quick(SCRIPT, "--out", str(tmp_path))
     payload = json.loads((tmp_path / "upgrad_scaling.json").read_text())
     markdown = (tmp_path / "upgrad_scaling.md").read_text()
     assert payload["mode"] == "quick"
@@ -57,9 +39,8 @@ def test_quick_times_every_kind_and_method(tmp_path: Path) -> None:
 
 
 def test_quick_without_out_writes_nothing() -> None:
-    pytest.importorskip("threadpoolctl", reason="the benchmark pins BLAS to one thread")
     before = {path: path.stat().st_mtime_ns for path in RESULTS.glob("upgrad_scaling.*")}
-    result = run_quick()
+    result = _run_quick(SCRIPT)
     assert "wrote " not in result.stdout
     after = {path: path.stat().st_mtime_ns for path in RESULTS.glob("upgrad_scaling.*")}
     assert after == before
