@@ -520,8 +520,12 @@ def recipe_config(
     model = [f"model.path={run_dir / STANDIN_PIPELINE}", f"model.family={shape.family}"]
     if shape.guidance is not None:
         model.append(f"model.guidance={shape.guidance}")
-    if shape.lora_rank is not None:
-        model += [f"lora.rank={shape.lora_rank}", f"lora.alpha={2 * shape.lora_rank}"]
+    if shape.lora_rank is not None:  # another family: its rank, and its own targets
+        model += [
+            f"lora.rank={shape.lora_rank}",
+            f"lora.alpha={2 * shape.lora_rank}",
+            "lora.target_modules=null",
+        ]
     overrides = [
         *model,
         f"model.dtype={args.dtype}",

@@ -248,6 +248,20 @@ CLIP_L_SPEC = ModuleSpec("CLIP-L", "CLIPTextModelWithProjection", CLIP_L, "CLIPT
 T5_SPEC = ModuleSpec("T5-XXL encoder", "T5EncoderModel", T5_XXL, "T5Config")
 # The shipped recipes' per-GPU numbers (tests/diffusion/test_memory.py checks them against
 # the config files); K = their five rewards.
+# The recipe's LoRA targets (configs/sd35m_base.yaml, as the references name them): the
+# "attn." prefix leaves out the attn2 layers of SD3.5-M's dual-attention blocks.
+SD35M_RECIPE_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
 RECIPES: dict[str, Recipe] = {
     "sd35m": Recipe(
         name="sd35m",
@@ -263,11 +277,11 @@ RECIPES: dict[str, Recipe] = {
         resolution=512,
         batch=9,
         forward_copies=1,
-        text_tokens=77 + 256,  # CLIP tokens + T5 tokens (rollout.max_sequence_length)
+        text_tokens=77 + 128,  # CLIP tokens + T5 tokens (rollout.max_sequence_length)
         lora_rank=32,
-        lora_targets=family_named("sd3").lora_targets,
+        lora_targets=SD35M_RECIPE_TARGETS,
         rewards=5,
-        source="configs/sd35m_marble_5r.yaml (DiffusionNFT's SD3.5-M numbers)",
+        source="configs/sd35m_marble_5r.yaml (the MARBLE release's SD3.5-M numbers)",
     ),
     "flux1dev": Recipe(
         name="flux1dev",

@@ -2,7 +2,8 @@
 
 The one sampler every objective uses. DiffusionNFT needs only the clean final latents
 (and the images for the rewards), so any solver works; the references use a
-deterministic one (Euler for evaluation, multistep DPM-Solver-2 for training rollouts).
+deterministic one (Euler for evaluation, multistep DPM-Solver++(2M), the ``dpm2`` sampler,
+for training rollouts: the SD3.5-M recipes set ``rollout.sampler: dpm2``).
 Flow-GRPO and SDPO sample the SDE and keep the per-step states and log-probs
 :func:`~mogradient_diffusion.sampling.solver.integrate` records. Flow matching
 convention: x_t = (1 - t) x0 + t noise, velocity v = noise - x0, sampled from t = 1 down
