@@ -80,7 +80,15 @@ class TrainingConfig:
         return plain
 
 
-STRATEGIES = ("marble", "weighted_sum", "sequential", "single", "reward_dropout", "pcgrad")
+STRATEGIES = (
+    "marble",
+    "weighted_sum",
+    "gdpo",
+    "sequential",
+    "single",
+    "reward_dropout",
+    "pcgrad",
+)
 # Registered harmonizers that are not offered as strategies, and why.
 NOT_STRATEGIES = {
     "trimmedmean": "its update is a coordinate-wise trimmed mean, not a weighted sum of the "
@@ -96,6 +104,7 @@ _AMORTIZED = ("period", "warmup_steps", "rho", "smooth_solve_steps")
 STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
     "marble": (*_AMORTIZED, "normalize", "fixed_alpha"),
     "weighted_sum": ("weights",),
+    "gdpo": ("weights",),
     "single": ("reward",),
     "sequential": ("stages",),
     "reward_dropout": ("weights", "dropout_probability", "dropout_warmup_steps"),
@@ -461,6 +470,8 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
         raise ConfigError(
             f"strategy.weights has {len(strategy.weights)} entries for {len(names)} rewards {names}"
         )
+    if strategy.name == "gdpo":
+        _check_gdpo_objective(config.objective)
     if strategy.name == "single" and strategy.reward not in names:
         raise ConfigError(f"strategy 'single' needs strategy.reward set to one of {names}")
     if strategy.name == "sequential":
@@ -470,6 +481,22 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
             unknown = sorted(set(stage.rewards) - set(names))
             if unknown:
                 raise ConfigError(f"sequential stage names unknown rewards {unknown}")
+
+
+def _check_gdpo_objective(objective: ObjectiveConfig) -> None:
+    """GDPO hands the objective one advantage already normalized per prompt group and
+    over the batch: the objective must take per-sample rewards and keep the batch std."""
+    if objective.name == "sdpo":
+        raise ConfigError(
+            "strategy 'gdpo' normalizes per-sample rewards within prompt groups; objective "
+            "'sdpo' works on dense per-step rewards: use objective nft or flow_grpo"
+        )
+    if getattr(objective.settings, "advantage_std", "global") != "global":
+        raise ConfigError(
+            "strategy 'gdpo' renormalizes its combined advantage over the batch; "
+            "objective.advantage_std=group would normalize it per prompt group again: "
+            "leave it at global"
+        )
 
 
 def _check_strategy_options(strategy: StrategyConfig) -> None:

@@ -113,9 +113,12 @@ class StrategyConfig:
     steps with rho 0.7, other harmonizers every step without smoothing.
     """
 
-    # marble | weighted_sum | sequential | single | reward_dropout | pcgrad | <harmonizer name>
+    # marble | weighted_sum | gdpo | sequential | single | reward_dropout | pcgrad |
+    # <harmonizer name>
     name: str = "marble"
-    weights: list[float] | None = None  # weighted_sum / reward_dropout; None = equal
+    # weighted_sum / gdpo / reward_dropout: one per reward, finite, >= 0, not all 0;
+    # None = equal
+    weights: list[float] | None = None
     reward: str | None = None  # single
     stages: list[StageConfig] = field(default_factory=list)  # sequential
     period: int | None = None  # full solve every N optimizer steps (1 = every step)

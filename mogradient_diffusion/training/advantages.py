@@ -1,4 +1,4 @@
-"""Per-reward, per-prompt-group advantages, and the weighted-sum baseline's scalar reward.
+"""Per-reward, per-prompt-group advantages; the weighted-sum and GDPO scalar objectives.
 
 DiffusionNFT normalizes each reward within the group of images sharing a prompt:
 subtract the group mean, divide by the standard deviation of the whole batch (its
@@ -8,6 +8,9 @@ does not apply to a sample (OCR on a prompt without quoted text); NaN entries ar
 out of every statistic and stay NaN in the advantages. Standard deviations are
 population ones (ddof=0, as the references' ``np.std``). Under DDP, gather the rewards
 of all ranks first: the global std is a batch-wide statistic.
+
+:func:`gdpo_advantages` is GDPO's one combined advantage (per-reward group normalization,
+weighted sum, batch renormalization), with the official TRL code's conventions.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def group_advantages(
     no value in the batch: ``reward_mean``, ``reward_std``, ``present_fraction`` (never
     NaN), ``zero_std_group_ratio`` (share of the groups holding the reward whose values
     all agree within ``eps``: they carry no signal), ``clip_fraction``, ``adv_mean``,
-    ``adv_abs_mean``, ``adv_min``, ``adv_max`` (after clipping).
+    ``adv_std`` (population), ``adv_abs_mean``, ``adv_min``, ``adv_max`` (after clipping).
     """
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be [B, K], got shape {tuple(rewards.shape)}")
@@ -72,6 +75,7 @@ def group_advantages(
         "zero_std_group_ratio": zero_std,
         "clip_fraction": _nan_mean(clipped.double(), present),
         "adv_mean": _nan_mean(advantages, present),
+        "adv_std": _nan_std(advantages, present),
         "adv_abs_mean": _nan_mean(advantages.abs(), present),
         "adv_min": torch.where(present, advantages, torch.inf).amin(0),
         "adv_max": torch.where(present, advantages, -torch.inf).amax(0),
@@ -93,6 +97,17 @@ def _nan_std(x: Tensor, present: Tensor) -> Tensor:
     return _nan_mean((x - mean) ** 2, present).sqrt()
 
 
+def _group_varies(r: Tensor, present: Tensor, group: Tensor, groups: int) -> Tensor:
+    """Per group and reward [G, K]: whether the present values are not all equal."""
+    index = group[:, None].expand_as(r)
+
+    def reduce(fill: float, how: str) -> Tensor:
+        start = torch.full((groups, r.shape[1]), fill, dtype=r.dtype)
+        return start.scatter_reduce(0, index, torch.where(present, r, fill), how)
+
+    return reduce(-torch.inf, "amax") > reduce(torch.inf, "amin")
+
+
 def _group_moments(
     r: Tensor, present: Tensor, group: Tensor, groups: int
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,6 +122,63 @@ def _group_moments(
     return mean, variance.sqrt(), count
 
 
+def gdpo_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    weights: Sequence[float] | Tensor,
+    eps: float = 1e-4,
+) -> Tensor:
+    """GDPO's combined advantage [B] (float32) from rewards [B, K] with NaN.
+
+    Liu et al., "GDPO: Group reward-Decoupled Normalization Policy Optimization"
+    (arXiv 2601.05242), as the official code computes it (NVlabs/GDPO,
+    ``trl-GDPO/trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py``, ``apply_gdpo``):
+
+    1. per reward k and prompt group: ``A_k = (r_k - group mean) / (group std + eps)``,
+       unbiased std (torch's default), eps 1e-4; no clip;
+    2. ``S = sum_k w_k A_k``;
+    3. over the whole batch: ``A = (S - mean S) / (std S + eps)``, unbiased std, eps 1e-4.
+
+    NaN (reward not applicable): left out of its reward's group statistics, and its
+    ``A_k`` counts as 0 in the sum. TRL instead zeroes the NaN *reward* before step 1
+    (``nan_to_num``); both agree whenever a reward is NaN for a whole prompt group (the
+    usual case: applicability depends on the prompt), and ours does not score "not
+    applicable" as a reward of 0 within a group. Where a group's values of a reward all
+    agree (or it holds one value: TRL gets NaN there and drops it with ``nansum``) its
+    ``A_k`` is exactly 0, not round-off over eps. A sample where no reward with positive
+    weight applies gets NaN (it sits out, as in :func:`weighted_reward`) and stays out of
+    the batch statistics. Every prompt group's ``S`` sums to 0, so ``A`` has group mean 0:
+    an objective's own group centering leaves it unchanged.
+    """
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards must be [B, K], got shape {tuple(rewards.shape)}")
+    if group_ids.shape != rewards.shape[:1]:
+        raise ValueError(f"group_ids must be [{rewards.shape[0]}], got {tuple(group_ids.shape)}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (it guards zero-std divisions), got {eps}")
+    w = _checked_weights(weights, rewards.shape[1])
+    r = rewards.detach().to("cpu", torch.float64)
+    if torch.isinf(r).any():
+        raise ValueError("rewards contain +-inf; use NaN for 'does not apply'")
+    labels, group = torch.unique(group_ids.cpu(), return_inverse=True)
+    present = ~torch.isnan(r)
+    mean, population_std, count = _group_moments(r, present, group, len(labels))
+    unbiased = population_std * (count / (count - 1).clamp_min(1)).sqrt()
+    per_reward = (r - mean[group]) / (unbiased[group] + eps)
+    # Exactly 0 where a group's values all agree (one value included), not round-off.
+    varies = _group_varies(r, present, group, len(labels))
+    per_reward = torch.where(present & varies[group], per_reward, 0.0)
+    summed = (per_reward * w).sum(1)
+    applies = (present & (w > 0)).any(1)
+    values = summed[applies]
+    combined = torch.full_like(summed, torch.nan)
+    if len(values) > 1:
+        combined[applies] = (values - values.mean()) / (values.std() + eps)
+    else:
+        combined[applies] = 0.0
+    return combined.float()
+
+
 def weighted_reward(rewards: Tensor, weights: Sequence[float] | Tensor) -> Tensor:
     """The weighted-sum baseline's scalar reward [B] from rewards [B, K] with NaN.
 
@@ -118,14 +190,20 @@ def weighted_reward(rewards: Tensor, weights: Sequence[float] | Tensor) -> Tenso
     """
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be [B, K], got shape {tuple(rewards.shape)}")
-    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
-    if w.numel() != rewards.shape[1]:
-        raise ValueError(f"{w.numel()} weights for {rewards.shape[1]} rewards")
-    if not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"weights must be finite, >= 0 and not all 0, got {w.tolist()}")
+    w = _checked_weights(weights, rewards.shape[1])
     r = rewards.detach().to("cpu", torch.float64)
     present = ~torch.isnan(r)
     weight = torch.where(present, w, 0)
     total = (weight * torch.where(present, r, 0)).sum(1)
     norm = weight.sum(1)
     return torch.where(norm > 0, total / norm, torch.nan).float()
+
+
+def _checked_weights(weights: Sequence[float] | Tensor, count: int) -> Tensor:
+    """The reward weights as float64 [K]: one per reward, finite, >= 0, not all 0."""
+    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
+    if w.numel() != count:
+        raise ValueError(f"{w.numel()} weights for {count} rewards")
+    if not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"weights must be finite, >= 0 and not all 0, got {w.tolist()}")
+    return w

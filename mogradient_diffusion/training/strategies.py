@@ -2,7 +2,7 @@
 
 A strategy decides two things: which objectives the rewards become (``K`` per-reward
 objectives for MARBLE and gradient harmonizers; one scalar objective for the
-weighted-sum, single-reward and sequential baselines) and, per optimizer step, the
+weighted-sum, GDPO, single-reward and sequential baselines) and, per optimizer step, the
 weights on those objectives (from per-objective gradients on full-solve steps, from the
 cache otherwise). Weight-only methods (fixed weights, reward dropout) never need
 per-objective gradients: they are solved on an identity Gram.
@@ -19,7 +19,7 @@ from mogradient import MGDA, PCGrad, RewardDropout, make_harmonizer
 from mogradient.amortize import AmortizedStep, Amortizer
 from mogradient.harmonizers import FixedWeights, Harmonizer, Mean, RandomWeights
 from mogradient_diffusion.config.settings import StrategyConfig
-from mogradient_diffusion.training.advantages import weighted_reward
+from mogradient_diffusion.training.advantages import gdpo_advantages, weighted_reward
 
 _GRADIENT_FREE = (FixedWeights, Mean, RandomWeights)
 _RANDOMIZED = ("rlw", "gradvac", "pcgrad")
@@ -38,6 +38,9 @@ class Strategy:
     amortizer: Amortizer
     scalar_weights: torch.Tensor | None = None  # scalar strategies: reward weights per column
     stages: list[tuple[list[int], int]] | None = None  # sequential: (reward indices, epochs)
+    # gdpo: the scalar objective is GDPO's combined advantage (per-reward group
+    # normalization, weighted sum, batch renormalization), not the weighted reward.
+    decoupled: bool = False
 
     @property
     def gradient_free(self) -> bool:
@@ -53,13 +56,29 @@ class Strategy:
         parts = [name for name, weight in zip(self.reward_names, active, strict=True) if weight]
         return ["+".join(parts)]
 
-    def objective_rewards(self, rewards: torch.Tensor, epoch: int) -> torch.Tensor:
+    def objective_rewards(
+        self, rewards: torch.Tensor, epoch: int, group_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rewards [..., K] as the strategy's objectives [..., K'] (one advantage each).
 
         Leading dimensions are kept: per-sample [B, K] and per-step [B, S, K] alike.
+        GDPO normalizes within prompt groups, so it takes only the whole batch's
+        per-sample rewards [B, K] with their ``group_ids`` [B]. Its one column is already
+        an advantage (group mean 0, batch std 1): the objective's own normalization then
+        changes only the std convention (population: a factor sqrt(N / (N - 1))) and
+        clips it (NFT: at ``a_max``, on the sum, not per reward).
         """
         if self.scalar_weights is None:
             return rewards
+        if self.decoupled:
+            if group_ids is None or rewards.ndim != 2 or group_ids.shape != rewards.shape[:1]:
+                raise ValueError(
+                    "strategy 'gdpo' normalizes each reward within its prompt group: it needs "
+                    "the batch's per-sample rewards [B, K] and group ids [B] (objectives nft "
+                    f"and flow_grpo), got rewards {tuple(rewards.shape)} and group ids "
+                    f"{None if group_ids is None else tuple(group_ids.shape)}"
+                )
+            return gdpo_advantages(rewards, group_ids, self.scalar_weights)[:, None]
         flat = rewards.reshape(-1, rewards.shape[-1])
         scalar = weighted_reward(flat, self._scalar_weights(epoch))
         return scalar.reshape(*rewards.shape[:-1], 1)
@@ -108,7 +127,7 @@ def build_strategy(config: StrategyConfig, reward_names: list[str], seed: int = 
         normalize = True if config.normalize is None else config.normalize
         harmonizer: Harmonizer = MGDA(normalize=normalize, alpha_floor=alpha_floor)
         return Strategy(name, reward_names, _amortizer(harmonizer, config, MARBLE_SCHEDULE))
-    if name in ("weighted_sum", "single", "sequential"):
+    if name in ("weighted_sum", "gdpo", "single", "sequential"):
         return _scalar_strategy(config, reward_names)
     if name == "reward_dropout":
         inner = FixedWeights(config.weights)
@@ -129,8 +148,9 @@ def build_strategy(config: StrategyConfig, reward_names: list[str], seed: int = 
 def _scalar_strategy(config: StrategyConfig, reward_names: list[str]) -> Strategy:
     count = len(reward_names)
     stages = None
-    if config.name == "weighted_sum":
+    if config.name in ("weighted_sum", "gdpo"):
         weights = torch.ones(count) if config.weights is None else torch.tensor(config.weights)
+        _check_weights(weights, count)
     elif config.name == "single":
         weights = torch.zeros(count)
         weights[reward_names.index(config.reward)] = 1.0
@@ -141,7 +161,24 @@ def _scalar_strategy(config: StrategyConfig, reward_names: list[str]) -> Strateg
             for stage in config.stages
         ]
     amortizer = Amortizer(FixedWeights([1.0]), period=1, rho=0.0)
-    return Strategy(config.name, reward_names, amortizer, weights.to(torch.float64), stages)
+    return Strategy(
+        config.name,
+        reward_names,
+        amortizer,
+        weights.to(torch.float64),
+        stages,
+        decoupled=config.name == "gdpo",
+    )
+
+
+def _check_weights(weights: torch.Tensor, count: int) -> None:
+    """strategy.weights: one per reward, finite, >= 0, not all 0 (one-line errors)."""
+    if weights.numel() != count:
+        raise ValueError(f"strategy.weights has {weights.numel()} entries for {count} rewards")
+    if not torch.isfinite(weights).all() or (weights < 0).any() or not (weights > 0).any():
+        raise ValueError(
+            f"strategy.weights must be finite, >= 0 and not all 0, got {weights.tolist()}"
+        )
 
 
 def _amortizer(

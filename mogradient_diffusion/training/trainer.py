@@ -358,7 +358,7 @@ class Trainer:
             rewards=all_rewards,
             group_ids=all_groups,
             rows=slice(self.world.rank * len(rewards), (self.world.rank + 1) * len(rewards)),
-            to_objectives=lambda values: self.strategy.objective_rewards(values, epoch),
+            to_objectives=lambda values: self.strategy.objective_rewards(values, epoch, all_groups),
             gather=lambda local: self.world.all_gather_rows(local.to(self.world.device)).cpu(),
         )
         estimated = self.objective.advantages(batch, view)
