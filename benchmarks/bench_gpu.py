@@ -18,9 +18,9 @@ What is real and what stands in (the output says so too):
 * VAE: the family's VAE class at the released shape, random weights;
 * text encoders: not run. ``Policy.encode_prompts`` is replaced by precomputed random
   embeddings of the real shapes: SD3 pooled CLIP-L + CLIP-G [B, 2048] and hidden states
-  of 77 CLIP + 256 T5-XXL tokens [B, 333, 4096]; FLUX pooled CLIP-L [B, 768] and 128
-  T5-XXL tokens [B, 128, 4096]; Qwen-Image 256 Qwen2.5-VL tokens [B, 256, 3584] with an
-  all-ones mask;
+  of 77 CLIP + 128 T5-XXL tokens [B, 205, 4096] (the recipe's T5 length); FLUX pooled
+  CLIP-L [B, 768] and 128 T5-XXL tokens [B, 128, 4096]; Qwen-Image 256 Qwen2.5-VL tokens
+  [B, 256, 3584] with an all-ones mask;
 * rewards: K = 5 cheap image statistics (``standin_*``), registered as ordinary rewards;
 * optimizer, NFT and batch settings: ``configs/sd35m_marble_5r.yaml`` for every shape
   (FLUX.1-dev's own recipe trains Flow-GRPO; this measures MARBLE's NFT loop on its

@@ -215,7 +215,7 @@ print(json.dumps(report))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     expected = {
-        "sd35m": ("StableDiffusion3Pipeline", 2.24, [2, 333, 4096], [2, 2048], False),
+        "sd35m": ("StableDiffusion3Pipeline", 2.24, [2, 205, 4096], [2, 2048], False),
         "flux1dev": ("FluxPipeline", 11.90, [2, 128, 4096], [2, 768], False),
         "qwen_image": ("QwenImagePipeline", 20.43, [2, 256, 3584], None, True),
     }
