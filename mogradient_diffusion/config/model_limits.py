@@ -12,11 +12,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-# The tiny pipeline (model.path unset) as model/tiny.py builds it: patches of 2 latent
-# pixels, a position embedding of max(latent size, 16) patches.
-TINY_PATCH_SIZE = 2
-TINY_MIN_POSITIONS = 16
-
 
 def max_resolution(model_path: str | None) -> int | None:
     """The largest square image, in pixels, the pipeline's transformer can take; None when
@@ -29,18 +24,24 @@ def max_resolution(model_path: str | None) -> int | None:
     try:
         positions = int(transformer["pos_embed_max_size"])
         patch = int(transformer["patch_size"])
-        vae_scale = 2 ** (len(vae["block_out_channels"]) - 1)
+        vae_blocks = len(vae["block_out_channels"])
     except (KeyError, TypeError, ValueError):
         return None
-    return positions * patch * vae_scale
+    return _pixels(positions, patch, vae_blocks)
 
 
 def _tiny_max_resolution() -> int:
+    """The tiny pipeline's bound (model.path unset), from the sizes model/tiny.py builds."""
     from mogradient_diffusion.model.tiny import TinySD3Spec
 
     spec = TinySD3Spec()
-    positions = max(spec.latent_size, TINY_MIN_POSITIONS)
-    return positions * TINY_PATCH_SIZE * 2 ** (spec.vae_blocks - 1)
+    return _pixels(spec.positions, spec.patch_size, spec.vae_blocks)
+
+
+def _pixels(positions: int, patch: int, vae_blocks: int) -> int:
+    """Image side of a grid of ``positions`` patches: a patch is ``patch`` latent pixels, a
+    latent pixel 2^(vae_blocks - 1) image pixels."""
+    return positions * patch * 2 ** (vae_blocks - 1)
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -56,6 +56,14 @@ class TinySD3Spec:
     def latent_size(self) -> int:
         return self.resolution // 2 ** (self.vae_blocks - 1)
 
+    # Latent pixels per transformer patch, as SD3's.
+    patch_size = 2
+
+    @property
+    def positions(self) -> int:
+        """Patches per side the position embedding covers: the largest grid it takes."""
+        return max(self.latent_size, 16)
+
 
 def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...] = ()):
     """Return a randomly initialised ``StableDiffusion3Pipeline`` of the given sizes."""
@@ -78,7 +86,7 @@ def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...
     text_encoder_3 = _t5_encoder(t5_tokenizer, spec.t5_width)
     transformer = SD3Transformer2DModel(
         sample_size=spec.latent_size,
-        patch_size=2,
+        patch_size=spec.patch_size,
         in_channels=spec.latent_channels,
         out_channels=spec.latent_channels,
         num_layers=spec.transformer_layers,
@@ -87,7 +95,7 @@ def build_tiny_pipeline(spec: TinySD3Spec = TinySD3Spec(), words: tuple[str, ...
         joint_attention_dim=spec.t5_width,
         caption_projection_dim=spec.heads * spec.head_dim,
         pooled_projection_dim=spec.t5_width,
-        pos_embed_max_size=max(spec.latent_size, 16),
+        pos_embed_max_size=spec.positions,
         dual_attention_layers=(0,),
         qk_norm="rms_norm",
     )
