@@ -40,23 +40,16 @@ def group_advantages(
     all agree within ``eps``: they carry no signal), ``clip_fraction``, ``adv_mean``,
     ``adv_std`` (population), ``adv_abs_mean``, ``adv_min``, ``adv_max`` (after clipping).
     """
-    if rewards.ndim != 2:
-        raise ValueError(f"rewards must be [B, K], got shape {tuple(rewards.shape)}")
-    if group_ids.shape != rewards.shape[:1]:
-        raise ValueError(f"group_ids must be [{rewards.shape[0]}], got {tuple(group_ids.shape)}")
+    _check_batch(rewards, group_ids)
     if std not in STD_MODES:
         raise ValueError(f"std must be one of {STD_MODES}, got {std!r}")
     if clip is not None and not clip > 0:
         raise ValueError(f"clip must be > 0 or None, got {clip}")
     if not eps > 0:
         raise ValueError(f"eps must be > 0 (it guards zero-std divisions), got {eps}")
-    r = rewards.detach().to("cpu", torch.float64)
-    if torch.isinf(r).any():
-        raise ValueError("rewards contain +-inf; use NaN for 'does not apply'")
-    labels, group = torch.unique(group_ids.cpu(), return_inverse=True)
-    present = ~torch.isnan(r)
+    r, present, group, groups = _grouped(rewards, group_ids)
 
-    group_mean, group_std, group_count = _group_moments(r, present, group, len(labels))
+    group_mean, group_std, group_count = _group_moments(r, present, group, groups)
     centered = r - group_mean[group]
     global_std = _nan_std(r, present)
     scale = global_std.expand_as(r) if std == "global" else group_std[group]
@@ -90,6 +83,24 @@ def group_advantages(
 
 def _nan_mean(x: Tensor, present: Tensor) -> Tensor:
     return torch.where(present, x, 0).sum(0) / present.sum(0)
+
+
+def _check_batch(rewards: Tensor, group_ids: Tensor) -> None:
+    """Rewards [B, K] and one group id per sample, or a ValueError saying which is off."""
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards must be [B, K], got shape {tuple(rewards.shape)}")
+    if group_ids.shape != rewards.shape[:1]:
+        raise ValueError(f"group_ids must be [{rewards.shape[0]}], got {tuple(group_ids.shape)}")
+
+
+def _grouped(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """The rewards in float64 on the CPU, where they are present (not NaN), each sample's
+    group index in 0..G-1, and G; +-inf is refused (NaN is how a reward says "n/a")."""
+    r = rewards.detach().to("cpu", torch.float64)
+    if torch.isinf(r).any():
+        raise ValueError("rewards contain +-inf; use NaN for 'does not apply'")
+    labels, group = torch.unique(group_ids.cpu(), return_inverse=True)
+    return r, ~torch.isnan(r), group, len(labels)
 
 
 def _nan_std(x: Tensor, present: Tensor) -> Tensor:
@@ -150,23 +161,16 @@ def gdpo_advantages(
     the batch statistics. Every prompt group's ``S`` sums to 0, so ``A`` has group mean 0:
     an objective's own group centering leaves it unchanged.
     """
-    if rewards.ndim != 2:
-        raise ValueError(f"rewards must be [B, K], got shape {tuple(rewards.shape)}")
-    if group_ids.shape != rewards.shape[:1]:
-        raise ValueError(f"group_ids must be [{rewards.shape[0]}], got {tuple(group_ids.shape)}")
+    _check_batch(rewards, group_ids)
     if not eps > 0:
         raise ValueError(f"eps must be > 0 (it guards zero-std divisions), got {eps}")
     w = _checked_weights(weights, rewards.shape[1])
-    r = rewards.detach().to("cpu", torch.float64)
-    if torch.isinf(r).any():
-        raise ValueError("rewards contain +-inf; use NaN for 'does not apply'")
-    labels, group = torch.unique(group_ids.cpu(), return_inverse=True)
-    present = ~torch.isnan(r)
-    mean, population_std, count = _group_moments(r, present, group, len(labels))
+    r, present, group, groups = _grouped(rewards, group_ids)
+    mean, population_std, count = _group_moments(r, present, group, groups)
     unbiased = population_std * (count / (count - 1).clamp_min(1)).sqrt()
     per_reward = (r - mean[group]) / (unbiased[group] + eps)
     # Exactly 0 where a group's values all agree (one value included), not round-off.
-    varies = _group_varies(r, present, group, len(labels))
+    varies = _group_varies(r, present, group, groups)
     per_reward = torch.where(present & varies[group], per_reward, 0.0)
     summed = (per_reward * w).sum(1)
     applies = (present & (w > 0)).any(1)
