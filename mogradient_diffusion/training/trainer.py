@@ -510,13 +510,8 @@ class Trainer:
         try:
             return self.gradients.stack(losses, count)
         except RowGradientError as error:
-            engine = self.gradients.name
-            self.gradients.use_k_backward()
+            self._use_k_backward(f"refused this model ({error})")
             self.optimizer.zero_grad(set_to_none=True)  # a refused pass may have begun .grad
-            self._warn(
-                f"the {engine} gradient engine refused this model ({error}); training goes "
-                "on with the K-backward engine (train.gradient_engine=batched)"
-            )
             return self.gradients.stack(replay(), count)
 
     def _check_engine(
@@ -527,17 +522,22 @@ class Trainer:
         K-backward one and the run goes on with that engine."""
         if self.gradients.checked:
             return
-        engine = self.gradients.name
         reason, reference = self.gradients.check(stack, replay, count)
         failed = torch.tensor([0.0 if reason is None else 1.0], device=self.world.device)
         if float(self.world.average(failed)) > 0:
-            self.gradients.use_k_backward()
-            stack.copy_(reference)
-            self._warn(
-                f"the {engine} gradient engine disagreed with K backward passes on this "
-                f"model ({reason or 'on another rank'}); training goes on with the "
-                "K-backward engine (train.gradient_engine=batched)"
+            self._use_k_backward(
+                f"disagreed with K backward passes on this model ({reason or 'on another rank'})"
             )
+            stack.copy_(reference)
+
+    def _use_k_backward(self, why: str) -> None:
+        """Give up the current gradient engine for K backward passes, and say why."""
+        engine = self.gradients.name
+        self.gradients.use_k_backward()
+        self._warn(
+            f"the {engine} gradient engine {why}; training goes on with the K-backward "
+            "engine (train.gradient_engine=batched)"
+        )
 
     def _combined_step(self, losses: LossStream, count: int) -> tuple[torch.Tensor, dict[str, Any]]:
         """Rank 0's cached or fixed weights, and one combined backward per piece."""
