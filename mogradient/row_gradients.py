@@ -49,7 +49,7 @@ import bisect
 import collections
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +160,8 @@ class RowGradients:
             width += parameter.shape[0] if parameter.ndim else 1
         self._summary_width = width
         self._directions: dict[tuple, torch.Tensor] = {}
+        self._module = module  # its coarsest dtype bounds the interaction check's round-off
+        self._forward_precision = self.parameters[0].dtype  # set by each recording
         self._rows_checked = False  # the first result's extra pass showed rows apart
         self._refused = False  # a result was refused: rows mixed or a weight used outside
         self._recording = False
@@ -214,6 +216,8 @@ class RowGradients:
 
     def _start(self) -> None:
         self._captures = []
+        # read at each recording: the module may have moved or changed dtype since
+        self._forward_precision = _coarsest_floating(self._module, self.parameters[0].dtype)
         self._mixing = []
         self._generation += 1
         self._recording = True
@@ -227,6 +231,11 @@ class RowGradients:
             if not torch.is_grad_enabled() or not output.requires_grad:
                 return None  # a no-grad call (a rollout, a frozen adapter's pass)
             inputs = args[0] if args else kwargs["input"]
+            device = output.device.type
+            if torch.is_autocast_enabled(device):
+                self._forward_precision = _coarser(
+                    self._forward_precision, torch.get_autocast_dtype(device)
+                )
             relay = self._relay(len(self._captures), self._generation)
             self._captures.append(_Capture(slots, inputs))
             return _RowGradientRelay.apply(output, relay)
@@ -292,6 +301,12 @@ class RowGradients:
         from the per-row Gram M, module by module, without forming the stack.
         """
         captures = self._take()
+        with _autocast_off(self.parameters[0].device):
+            return self._gram(loss, captures, retain_graph)
+
+    def _gram(
+        self, loss: CombinableLoss, captures: list[_Capture], retain_graph: bool
+    ) -> torch.Tensor:
         self._refuse()
         values, coefficients = self._row_coefficients(loss)
         if len(values) != 1 or _shares_parameters(captures):
@@ -382,6 +397,12 @@ class RowGradients:
         return values, torch.stack(rows).detach()
 
     def _stack(
+        self, loss: CombinableLoss, captures: list[_Capture], retain_graph: bool
+    ) -> torch.Tensor:
+        with _autocast_off(self.parameters[0].device):
+            return self._stack_exact(loss, captures, retain_graph)
+
+    def _stack_exact(
         self, loss: CombinableLoss, captures: list[_Capture], retain_graph: bool
     ) -> torch.Tensor:
         self._refuse()
@@ -528,7 +549,11 @@ class RowGradients:
         if probe is not None:
             u, weighted = probe
             expected = u.to(weighted.summary.dtype)[:, None] * tallies[0].summary
+            # Both passes back-propagate through the whole forward: its coarsest rounding
+            # (a bfloat16 base model around float32 adapters) separates them, not only
+            # the recorded calls' own.
             precision = _coarser(weighted.precision, tallies[0].precision)
+            precision = _coarser(precision, self._forward_precision)
             checks.append((weighted.summary, expected, precision, _interacting))
         return checks
 
@@ -645,6 +670,25 @@ def _summarize(
 def _coarser(first: torch.dtype, second: torch.dtype) -> torch.dtype:
     """The dtype with the larger round-off."""
     return first if torch.finfo(first).eps >= torch.finfo(second).eps else second
+
+
+def _autocast_off(device: torch.device) -> AbstractContextManager:
+    """The engine's own products (contractions, Grams, checks) in their dtype, also when
+    the caller's backward runs under autocast: bfloat16 would cost them their precision
+    and break the in-place sums into the float32 stack."""
+    if not torch.amp.is_autocast_available(device.type):
+        return nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
+def _coarsest_floating(module: nn.Module, default: torch.dtype) -> torch.dtype:
+    """The coarsest rounding of ``module``'s floating parameters and buffers, as its
+    matmuls on their device have it (``default`` for a module without any)."""
+    precision = default
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point():
+            precision = _coarser(precision, _matmul_precision(tensor.dtype, tensor.device))
+    return precision
 
 
 def _matmul_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -152,3 +152,15 @@ def test_other_families_train_on_the_accelerator(family_dirs, tmp_path: Path, ru
     (step,) = [s for r in read_metrics(tmp_path) for s in r["optimizer_steps"]]
     assert "grad_norm" in step, step  # an optimizer step was taken
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_bfloat16_model_keeps_the_per_row_engine(tmp_path: Path) -> None:
+    """The GPU's dtype setting: a bfloat16 model around float32 LoRA adapters. On the H100
+    (SD3.5-M shape) the per-row engine refused its exact rows as interacting (bfloat16
+    round-off of the backward measured against a float32 tolerance) and every run fell back
+    to K backward passes; it did the same on this CPU in bfloat16. On the CPU device: the
+    logical accelerator does not follow a dtype change of parameters already moved to it."""
+    _train(tmp_path, torch.device("cpu"), 1, ["model.dtype=bfloat16", "strategy.period=1"])
+    steps = [s for r in read_metrics(tmp_path) for s in r["optimizer_steps"]]
+    assert steps and all(step["engine"] == "rows" for step in steps), steps
