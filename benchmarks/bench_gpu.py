@@ -1531,6 +1531,23 @@ def _training_row(name: str, item: dict[str, Any], ratios: dict[str, Any]) -> li
     ]
 
 
+def _engine_lines(summary: dict[str, Any]) -> list[str]:
+    """A warning for each per-row row whose solve steps ran with K backward passes (the
+    trainer falls back where the engine refuses a model): its figures are not the per-row
+    engine's."""
+    lines = []
+    for name, item in summary.items():
+        used = item.get("engines") or []
+        if ROWS[name][1] == "auto" and used and used != ["rows"]:
+            lines.append(
+                f"**{LABELS[name]}: the per-row engine was refused and the trainer fell back; "
+                f"its solve steps ran with the {', '.join(used)} engine (batched: K backward "
+                "passes), so these figures are not the per-row engine's** (the reason is in "
+                "the run's log)."
+            )
+    return [*lines, ""] if lines else []
+
+
 def _training_lines(payload: dict[str, Any]) -> list[str]:
     lines = ["## Training", ""]
     if not payload["training"]:
@@ -1552,6 +1569,7 @@ def _training_lines(payload: dict[str, Any]) -> list[str]:
             _training_row(name, item, block["ratios"]) for name, item in block["summary"].items()
         ]
         lines += [f"### {mode.replace('_', ' ')}", "", markdown_table(header, rows), ""]
+        lines += _engine_lines(block["summary"])
     memory = "`torch.cuda.max_memory_allocated` over the optimizer steps (the trainer resets it"
     if payload["smoke_run"]:
         memory = "process peak RSS (`ru_maxrss`, lifetime high-water: not per strategy"

@@ -421,3 +421,24 @@ def test_lease_size_check_reports_the_figures_and_refuses_too_much() -> None:
     assert "travels to the lease: tracked " in fits.stdout and "of 64 MiB: fits" in fits.stdout
     over = subprocess.run([*command, "--limit-mib=1"], capture_output=True, text=True, timeout=120)
     assert over.returncode == 1 and "of 1 MiB: TOO LARGE by " in over.stdout
+
+
+def test_a_per_row_row_that_fell_back_says_so() -> None:
+    """On the H100 the per-row engine was refused (a float32 tolerance on bfloat16 round-off)
+    and its rows ran with K backward passes under their per-row labels; the report now says
+    which engine a row's solve steps used when it is not the row's own."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    summary = {
+        "marble_every_step": {"engines": ["batched"]},
+        "marble_amortized": {"engines": ["rows"]},
+        "marble_every_step_k_backward": {"engines": ["batched"]},
+        "weighted_sum": {"engines": []},
+    }
+    (line, blank) = bench_gpu._engine_lines(summary)
+    assert line.startswith("**MARBLE every step (N=1): the per-row engine was refused")
+    assert "ran with the batched engine" in line and blank == ""
+    assert bench_gpu._engine_lines({"marble_amortized": {"engines": ["rows"]}}) == []
