@@ -102,7 +102,15 @@ _AMORTIZED = ("period", "warmup_steps", "rho", "smooth_solve_steps")
 # The StrategyConfig fields each strategy reads; any other harmonizer name reads
 # HARMONIZER_OPTIONS. Setting a field the chosen strategy ignores is an error.
 STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
-    "marble": (*_AMORTIZED, "normalize", "fixed_alpha"),
+    "marble": (
+        *_AMORTIZED,
+        "normalize",
+        "fixed_alpha",
+        "solve_scope",
+        "alpha_lower_bound",
+        "unit_weights",
+        "reward_groups",
+    ),
     "weighted_sum": ("weights",),
     "gdpo": ("weights",),
     "single": ("reward",),
@@ -472,6 +480,8 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
         )
     if strategy.name == "gdpo":
         _check_gdpo_objective(config.objective)
+    if strategy.name == "marble":
+        _check_marble_options(strategy, names, config.objective)
     if strategy.name == "single" and strategy.reward not in names:
         raise ConfigError(f"strategy 'single' needs strategy.reward set to one of {names}")
     if strategy.name == "sequential":
@@ -481,6 +491,65 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
             unknown = sorted(set(stage.rewards) - set(names))
             if unknown:
                 raise ConfigError(f"sequential stage names unknown rewards {unknown}")
+
+
+def _check_marble_options(
+    strategy: StrategyConfig, names: list[str], objective: ObjectiveConfig
+) -> None:
+    """The release's options: scope, groups, floor and unit weights, in one line each."""
+    from mogradient_diffusion.training.release_marble import objective_members
+
+    scope = strategy.solve_scope or "step"
+    if scope not in ("step", "micro_step"):
+        raise ConfigError(
+            f"strategy.solve_scope must be step (ours: one solve on the whole step) or "
+            f"micro_step (MARBLE as released), not {scope!r}"
+        )
+    try:
+        objectives = len(objective_members(names, strategy.reward_groups))
+    except ValueError as error:
+        raise ConfigError(f"strategy.reward_groups: {error}") from None
+    if scope == "step" and strategy.reward_groups:
+        raise ConfigError(
+            "strategy.reward_groups is the release's option: set "
+            "strategy.solve_scope=micro_step, or list each reward on its own"
+        )
+    if scope == "micro_step":
+        if objective.name != "nft":
+            raise ConfigError(
+                "strategy.solve_scope=micro_step is MARBLE as released, on DiffusionNFT: "
+                f"use objective nft (got {objective.name!r}), or solve_scope step"
+            )
+        ours = [
+            f"strategy.{key}"
+            for key in ("smooth_solve_steps", "normalize")
+            if getattr(strategy, key) is not None
+        ]
+        if ours:
+            raise ConfigError(
+                f"{', '.join(ours)}: options of solve_scope step; the release always "
+                "normalizes and applies the fresh solution on its solve micro-step"
+            )
+    if strategy.fixed_alpha and (strategy.alpha_lower_bound or strategy.unit_weights):
+        raise ConfigError(
+            "strategy.fixed_alpha fixes alpha: strategy.alpha_lower_bound and "
+            "strategy.unit_weights would act on a solve that never happens; remove them"
+        )
+    if strategy.normalize is False and strategy.unit_weights is not None:
+        raise ConfigError(
+            "strategy.unit_weights scale the unit gradients and need normalize (true)"
+        )
+    bound = strategy.alpha_lower_bound
+    if bound is not None and not (math.isfinite(bound) and 0 <= bound < 1):
+        raise ConfigError(f"strategy.alpha_lower_bound must be in [0, 1), got {bound}")
+    weights = strategy.unit_weights
+    if weights is not None and (
+        len(weights) != objectives or not all(math.isfinite(w) and w > 0 for w in weights)
+    ):
+        raise ConfigError(
+            f"strategy.unit_weights needs one finite number > 0 per MARBLE objective "
+            f"({objectives}: the reward groups, then each ungrouped reward), got {weights}"
+        )
 
 
 def _check_gdpo_objective(objective: ObjectiveConfig) -> None:

@@ -127,7 +127,20 @@ class StrategyConfig:
     # Ablation: solve steps apply the EMA-smoothed weights, not the fresh solution.
     smooth_solve_steps: bool | None = None
     normalize: bool | None = None  # MGDA normalize-and-rescale (False: plain MGDA ablation)
-    fixed_alpha: bool | None = None  # ablation: equal alpha, no solve
+    # Ablation, equal alpha. Scope step: MGDA with alpha floored at 1/K on the unit
+    # gradients (still solving every period, for the norms). Scope micro_step: the
+    # release's equal_alpha, 1/K on the advantages, no per-reward gradient ever.
+    fixed_alpha: bool | None = None
+    # marble: "step" (ours: one solve on the whole step's gradients) or "micro_step" (as
+    # released: a solve covers the first micro-step of a solve step, training/release_marble.py)
+    solve_scope: str | None = None
+    # marble, the release's balancer options: alpha_floor (a bound inside the QP) and
+    # reward_weights (scale the unit gradients before the solve; one per objective)
+    alpha_lower_bound: float | None = None
+    unit_weights: list[float] | None = None
+    # marble, micro_step scope: rewards solved as one objective each (the release's
+    # reward_groups: the mean of their gradients; alpha / group size each when cached)
+    reward_groups: list[list[str]] = field(default_factory=list)
     dropout_probability: float | None = None  # reward_dropout; default 0.3
     dropout_warmup_steps: int | None = None
     options: dict[str, Any] = field(default_factory=dict)  # extra harmonizer options

@@ -108,6 +108,8 @@ class RewardView:
     applicable to any [..., K] tensor (SDPO's dense [B, S, K] rewards too). ``gather``
     concatenates a per-rank tensor's rows over all ranks, returned on the CPU (the
     identity on one process), for statistics of an objective's own rollout values.
+    ``clip`` False asks for unclipped advantages: MARBLE as released mixes them and
+    clips the mix (the NFT loss clips what it is given).
     """
 
     rewards: torch.Tensor
@@ -115,6 +117,7 @@ class RewardView:
     rows: slice
     to_objectives: Callable[[torch.Tensor], torch.Tensor]
     gather: Callable[[torch.Tensor], torch.Tensor]
+    clip: bool = True
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ class NFTObjective(Stateless):
             view.to_objectives(view.rewards),
             view.group_ids,
             std=self.settings.advantage_std,
-            clip=self.settings.a_max,
+            clip=self.settings.a_max if view.clip else None,
         )
         return Advantages(values[view.rows], stats)
 

@@ -20,6 +20,7 @@ from mogradient.amortize import AmortizedStep, Amortizer
 from mogradient.harmonizers import FixedWeights, Harmonizer, Mean, RandomWeights
 from mogradient_diffusion.config.settings import StrategyConfig
 from mogradient_diffusion.training.advantages import gdpo_advantages, weighted_reward
+from mogradient_diffusion.training.release_marble import MicroStepMarble
 
 _GRADIENT_FREE = (FixedWeights, Mean, RandomWeights)
 _RANDOMIZED = ("rlw", "gradvac", "pcgrad")
@@ -41,6 +42,9 @@ class Strategy:
     # gdpo: the scalar objective is GDPO's combined advantage (per-reward group
     # normalization, weighted sum, batch renormalization), not the weighted reward.
     decoupled: bool = False
+    # marble with solve_scope micro_step: MARBLE as released decides per micro-step
+    # (the trainer asks it); the amortizer's MGDA then serves only the conflict probe.
+    micro_step: MicroStepMarble | None = None
 
     @property
     def gradient_free(self) -> bool:
@@ -84,7 +88,10 @@ class Strategy:
         return scalar.reshape(*rewards.shape[:-1], 1)
 
     def needs_gradients(self) -> bool:
-        """Whether the coming optimizer step must compute per-objective gradients."""
+        """Whether the coming optimizer step must compute per-objective gradients (over
+        the whole step: a micro-step strategy decides per micro-step instead)."""
+        if self.micro_step is not None:
+            return False
         return not self.gradient_free and self.amortizer.needs_full_solve()
 
     def weights(self, jacobian: torch.Tensor | None, count: int) -> AmortizedStep:
@@ -96,10 +103,20 @@ class Strategy:
         return self.amortizer.cached_step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"amortizer": self.amortizer.state_dict()}
+        state = {"amortizer": self.amortizer.state_dict()}
+        if self.micro_step is not None:
+            state["micro_step"] = self.micro_step.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.amortizer.load_state_dict(state["amortizer"])
+        if self.micro_step is not None:
+            if "micro_step" not in state:
+                raise ValueError(
+                    "the checkpoint is of a MARBLE run with solve_scope step; this run has "
+                    "solve_scope micro_step: resume with the checkpoint's scope"
+                )
+            self.micro_step.load_state_dict(state["micro_step"])
 
     def _scalar_weights(self, epoch: int) -> torch.Tensor:
         if self.stages is None:
@@ -122,10 +139,17 @@ def build_strategy(config: StrategyConfig, reward_names: list[str], seed: int = 
     """The strategy a config names, with MARBLE's defaults where it applies."""
     count = len(reward_names)
     name = config.name
+    if name == "marble" and config.solve_scope == "micro_step":
+        return _release_marble(config, reward_names)
     if name == "marble":
         alpha_floor = 1.0 / count if config.fixed_alpha and count > 1 else 0.0
         normalize = True if config.normalize is None else config.normalize
-        harmonizer: Harmonizer = MGDA(normalize=normalize, alpha_floor=alpha_floor)
+        harmonizer: Harmonizer = MGDA(
+            normalize=normalize,
+            alpha_floor=alpha_floor,
+            alpha_lower_bound=config.alpha_lower_bound or 0.0,
+            unit_weights=config.unit_weights,
+        )
         return Strategy(name, reward_names, _amortizer(harmonizer, config, MARBLE_SCHEDULE))
     if name in ("weighted_sum", "gdpo", "single", "sequential"):
         return _scalar_strategy(config, reward_names)
@@ -143,6 +167,23 @@ def build_strategy(config: StrategyConfig, reward_names: list[str], seed: int = 
         options.setdefault("seed", seed)
     harmonizer = PCGrad(seed=seed) if name == "pcgrad" else make_harmonizer(name, **options)
     return Strategy(name, reward_names, _amortizer(harmonizer, config, EVERY_STEP))
+
+
+def _release_marble(config: StrategyConfig, reward_names: list[str]) -> Strategy:
+    """MARBLE as released: period 10, warm-up 1, rho 0.7 on alpha unless configured."""
+    period, rho = MARBLE_SCHEDULE
+    marble = MicroStepMarble(
+        reward_names,
+        period=period if config.period is None else config.period,
+        warmup_steps=1 if config.warmup_steps is None else config.warmup_steps,
+        rho=rho if config.rho is None else config.rho,
+        alpha_lower_bound=config.alpha_lower_bound or 0.0,
+        unit_weights=config.unit_weights,
+        groups=config.reward_groups,
+        equal_alpha=bool(config.fixed_alpha),
+    )
+    amortizer = Amortizer(marble.harmonizer, period=marble.period, rho=0.0)
+    return Strategy("marble", reward_names, amortizer, micro_step=marble)
 
 
 def _scalar_strategy(config: StrategyConfig, reward_names: list[str]) -> Strategy:

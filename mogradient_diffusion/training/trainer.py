@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import sys
 import time
@@ -360,6 +361,7 @@ class Trainer:
             rows=slice(self.world.rank * len(rewards), (self.world.rank + 1) * len(rewards)),
             to_objectives=lambda values: self.strategy.objective_rewards(values, epoch, all_groups),
             gather=lambda local: self.world.all_gather_rows(local.to(self.world.device)).cpu(),
+            clip=self.strategy.micro_step is None,
         )
         estimated = self.objective.advantages(batch, view)
         advantages, silent = self._mask_silent(estimated.values)
@@ -441,10 +443,13 @@ class Trainer:
             return skipped_step_record("no reward signal", count)
         replay = generator.get_state()
         metrics = StepMetrics()
-        losses = self.objective.losses(self.policy, step, generator, metrics)
-        if self.strategy.needs_gradients():
+        if self.strategy.micro_step is not None:
+            weights, record = self._micro_step_marble(step, generator, metrics)
+        elif self.strategy.needs_gradients():
+            losses = self.objective.losses(self.policy, step, generator, metrics)
             weights, record = self._solve_step(losses, count, self._replayer(step, replay))
         else:
+            losses = self.objective.losses(self.policy, step, generator, metrics)
             weights, record = self._combined_step(losses, count)
         record.update(
             {keys.objective_metric(key): value for key, value in metrics.summary().items()}
@@ -551,6 +556,86 @@ class Trainer:
         record[keys.HARMONIZE_TIME] = time.perf_counter() - started
         record.update({keys.SOLVED: 0, keys.FALLBACK: cached.fallback})
         return weights, record
+
+    def _micro_step_marble(
+        self, step: list[TrainPiece], generator: torch.Generator, metrics: StepMetrics
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """MARBLE as released (``strategy.solve_scope: micro_step``, release_marble.py):
+        solve micro-steps apply their fresh direction, the others one backward on the
+        mixed advantage. A solve step's first micro-step is computed twice (its K
+        gradients, then as the mixed stream's skipped first piece: 1 of its pieces)."""
+        marble = self.strategy.micro_step
+        plan = marble.plan(self.optimizer_step)
+        state = generator.get_state()
+        record: dict[str, Any] = {keys.SOLVED: 0, keys.FALLBACK: None, "solved_micro_steps": 0}
+        started = time.perf_counter()
+        if plan == "every":
+            losses = iter(self.objective.losses(self.policy, step, generator, metrics))
+            index = 0
+            while self._solve_micro_step(losses, self._piece_replayer(step, state, index), record):
+                index += 1
+        else:
+            if plan == "first":
+                solving = torch.Generator()
+                solving.set_state(state)
+                losses = iter(self.objective.losses(self.policy, step, solving, StepMetrics()))
+                self._solve_micro_step(losses, self._piece_replayer(step, state, 0), record)
+            mixed = [dataclasses.replace(p, advantages=marble.mixed(p.advantages)) for p in step]
+            losses = self.objective.losses(self.policy, mixed, generator, metrics)
+            skipped = itertools.islice(losses, 1 if plan == "first" else 0, None)
+            accumulate_gradients(skipped, self.parameters, torch.ones(1, dtype=torch.float64))
+        record[keys.BACKWARD_TIME] = time.perf_counter() - started
+        started = time.perf_counter()
+        self.world.average_gradients(self.parameters)
+        record[keys.HARMONIZE_TIME] = time.perf_counter() - started
+        since = marble.steps_since_solve(self.optimizer_step)
+        if since is not None:  # None: equal alpha, never solved
+            record[keys.STEPS_SINCE_SOLVE] = float(since)
+        record["release/alpha"] = marble.alpha.tolist()
+        return marble.reward_coefficients(), record
+
+    def _solve_micro_step(
+        self, losses: LossStream, replay: Callable[[], LossStream], record: dict[str, Any]
+    ) -> bool:
+        """The next micro-step of ``losses``: its K gradients (its KL term to ``.grad``),
+        the release's solve on them, the fresh direction added to ``.grad``. False when
+        the stream had no piece left. The piece is drawn inside the gradient engine, which
+        records its forward."""
+        count = len(self.strategy.reward_names)
+        drawn: list[bool] = []
+
+        def next_piece() -> LossStream:
+            for piece in itertools.islice(losses, 1):
+                drawn.append(True)
+                yield piece
+
+        stack = self._stack(next_piece(), count, replay)
+        if not drawn:
+            return False
+        self._check_engine(stack, replay, count)
+        stack = self.world.average(stack)
+        weights, solved = self.strategy.micro_step.solve(stack, self.optimizer_step)
+        apply_weights(self.parameters, stack, weights, accumulate=True)
+        record["solved_micro_steps"] += 1
+        record.update(
+            {
+                keys.SOLVED: 1,
+                keys.FALLBACK: solved["fallback"],
+                keys.ENGINE: self.gradients.name,
+                "release/fresh_alpha": solved["fresh_alpha"],
+                "release/raw_norms": solved["raw_norms"],
+                "release/rescale": solved["rescale"],
+            }
+        )
+        return True
+
+    def _piece_replayer(
+        self, step: list[TrainPiece], state: torch.Tensor, index: int
+    ) -> Callable[[], LossStream]:
+        """Piece ``index`` of ``step``'s loss stream again (the pieces before it are
+        computed to reach it: for the engine's one-time check and a refusal)."""
+        replay = self._replayer(step, state)
+        return lambda: itertools.islice(replay(), index, index + 1)
 
     def _apply_step(self, record: dict[str, Any]) -> None:
         """Clip, step (or skip a non-finite gradient), refuse non-finite weights."""
