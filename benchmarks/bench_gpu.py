@@ -117,15 +117,22 @@ from mogradient_diffusion.training.step_gradients import StepGradients
 from mogradient_diffusion.training.strategies import Strategy, build_strategy
 from mogradient_diffusion.training.trainer import Trainer, TrainerCallback
 
-# The compared rows: each a strategy of bench_trainer's and the engine of its per-objective
-# gradients (auto: the per-row engine; batched: K backward passes, as before it).
-ROWS = {name: (name, "auto") for name in STRATEGY_OVERRIDES} | {
+# MARBLE as released (the recipe's own scope): a solve step solves on its first micro-step.
+RELEASED = {"marble_released": ["strategy.name=marble", "strategy.solve_scope=micro_step"]}
+# The compared rows: each a strategy of bench_trainer's (or the release's) and the engine of
+# its per-objective gradients (auto: the per-row engine; batched: K backward passes).
+ROWS = {name: (name, "auto") for name in STRATEGY_OVERRIDES | RELEASED} | {
     f"{name}_k_backward": (name, "batched") for name in ("marble_amortized", "marble_every_step")
 }
-STRATEGIES = {name: STRATEGY_OVERRIDES[strategy] for name, (strategy, _) in ROWS.items()}
+STRATEGIES = {
+    name: (STRATEGY_OVERRIDES | RELEASED)[strategy] for name, (strategy, _) in ROWS.items()
+}
 LABELS = STRATEGY_LABELS | {
-    f"{name}_k_backward": f"{STRATEGY_LABELS[name]}, K backward passes"
-    for name in ("marble_amortized", "marble_every_step")
+    "marble_released": "MARBLE as released (N=10, solve on one micro-step)",
+    **{
+        f"{name}_k_backward": f"{STRATEGY_LABELS[name]}, K backward passes"
+        for name in ("marble_amortized", "marble_every_step")
+    },
 }
 
 REPO = Path(__file__).resolve().parent.parent

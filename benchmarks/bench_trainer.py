@@ -55,8 +55,19 @@ REWARDS = ("color_match", "count_match", "jpeg_incompressibility", "ocr")
 BASELINE = "weighted_sum"
 STRATEGIES: dict[str, list[str]] = {
     "weighted_sum": ["strategy.name=weighted_sum"],
-    "marble_amortized": ["strategy.name=marble", "strategy.period=10", "strategy.rho=0.7"],
-    "marble_every_step": ["strategy.name=marble", "strategy.period=1", "strategy.rho=0.7"],
+    # our whole-step solve, explicitly: the SD3.5-M recipe solves per micro-step as released
+    "marble_amortized": [
+        "strategy.name=marble",
+        "strategy.solve_scope=step",
+        "strategy.period=10",
+        "strategy.rho=0.7",
+    ],
+    "marble_every_step": [
+        "strategy.name=marble",
+        "strategy.solve_scope=step",
+        "strategy.period=1",
+        "strategy.rho=0.7",
+    ],
 }
 LABELS = {
     "weighted_sum": "weighted sum",

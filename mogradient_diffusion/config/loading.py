@@ -520,15 +520,11 @@ def _check_marble_options(
                 "strategy.solve_scope=micro_step is MARBLE as released, on DiffusionNFT: "
                 f"use objective nft (got {objective.name!r}), or solve_scope step"
             )
-        ours = [
-            f"strategy.{key}"
-            for key in ("smooth_solve_steps", "normalize")
-            if getattr(strategy, key) is not None
-        ]
-        if ours:
+        if strategy.smooth_solve_steps is not None or strategy.normalize is False:
             raise ConfigError(
-                f"{', '.join(ours)}: options of solve_scope step; the release always "
-                "normalizes and applies the fresh solution on its solve micro-step"
+                "strategy.smooth_solve_steps and normalize=false are options of "
+                "solve_scope step: the release normalizes and applies the fresh solution "
+                "on its solve micro-step"
             )
     if strategy.fixed_alpha and (strategy.alpha_lower_bound or strategy.unit_weights):
         raise ConfigError(

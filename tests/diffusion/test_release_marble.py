@@ -209,6 +209,7 @@ def test_a_resumed_run_keeps_the_cache(tmp_path: Path) -> None:
         (["strategy.solve_scope=whole"], "solve_scope must be step"),
         (["objective.name=flow_grpo"], "use objective nft"),
         (["strategy.smooth_solve_steps=true"], "options of solve_scope step"),
+        (["strategy.normalize=false"], "options of solve_scope step"),
         (["strategy.reward_groups=[[color_match, nope]]"], "unknown"),
         (["strategy.unit_weights=[1.0]"], "one finite number > 0 per MARBLE objective"),
         (["strategy.fixed_alpha=true", "strategy.alpha_lower_bound=0.1"], "fixes alpha"),

@@ -81,6 +81,7 @@ def test_the_recipe_holds_the_release_numbers(recipe: TrainingConfig) -> None:
     assert strategy.warmup_steps == 1  # amortize_warmup (nft.py:62)
     assert strategy.rho == 0.7  # alpha_ema_decay (nft.py:63)
     assert strategy.normalize is True  # normalize_grads (nft.py:57)
+    assert strategy.solve_scope == "micro_step"  # the cache per micro-step (train.py:1481-1493)
     # The solve micro-step applies the fresh direction, not the EMA (train.py:1729).
     assert not strategy.smooth_solve_steps
     assert not strategy.fixed_alpha  # equal_alpha is the ablation (nft.py:71-76)
