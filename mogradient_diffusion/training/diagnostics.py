@@ -38,15 +38,20 @@ def staleness(strategy: Strategy, stack: torch.Tensor, direction: torch.Tensor) 
     amortizer = strategy.amortizer
     if strategy.scalar_weights is not None or not isinstance(amortizer.harmonizer, MGDA):
         return {}
-    fresh = amortizer.harmonizer(stack)
+    objectives = stack
+    if strategy.micro_step is not None:  # its groups' gradients; the trainer logs its staleness
+        objectives = strategy.micro_step.objective_stack(stack)
+    fresh = amortizer.harmonizer(objectives)
     if fresh.direction is None or not fresh.weights.any():
         return {}
-    fresh_diagnostics = conflict_diagnostics(fresh.weights, jacobian=stack)
+    fresh_diagnostics = conflict_diagnostics(fresh.weights, jacobian=objectives)
     cosine = torch.nn.functional.cosine_similarity(
         direction.double(), fresh.direction.double(), dim=0
     )
-    return {
-        keys.STEPS_SINCE_SOLVE: float(amortizer.steps_since_solve or 0),
+    record = {
         keys.COS_TO_FRESH: float(cosine),
         keys.FRESH_COS_MIN: float(fresh_diagnostics["cos_min"]),
     }
+    if strategy.micro_step is None:
+        record[keys.STEPS_SINCE_SOLVE] = float(amortizer.steps_since_solve or 0)
+    return record

@@ -99,7 +99,7 @@ class MicroStepMarble:
         """One micro-step's solve on its per-reward stack [K, D]: the weights on the
         stack's rows that give the fresh direction, and what to log. Folds the solved
         alpha into the cache and marks ``step`` as the last solve."""
-        objectives = torch.stack([stack[m].mean(dim=0) for m in self.members])
+        objectives = self.objective_stack(stack)
         result = self.harmonizer(objectives)
         alpha = torch.zeros(len(self.members), dtype=torch.float64)
         usable = [g for g in range(len(self.members)) if g not in result.dropped]
@@ -121,6 +121,10 @@ class MicroStepMarble:
             "fallback": result.fallback,
         }
         return weights, record
+
+    def objective_stack(self, stack: torch.Tensor) -> torch.Tensor:
+        """[K, D] per-reward gradients as [G, D] objective gradients (a group's mean)."""
+        return torch.stack([stack[m].mean(dim=0) for m in self.members])
 
     def _fold(self, alpha: torch.Tensor) -> None:
         """The release's EMA: 0.7 old + 0.3 new on every solve, no renormalization."""

@@ -150,7 +150,9 @@ def test_a_run_solves_on_the_micro_steps_the_release_solves_on(tmp_path: Path) -
     per optimizer step, one step per epoch. Step 0 solves on its 4 micro-steps, steps 2
     and 4 on their first, each solve on that micro-step's own K gradients (not the whole
     step's)."""
-    config = _config(tmp_path, "train.epochs=5", "train.gradient_accumulation=2")
+    config = _config(
+        tmp_path, "train.epochs=5", "train.gradient_accumulation=2", "run.conflict_probe=true"
+    )
     trainer = Trainer(config, World(rank=0, size=1, device=torch.device("cpu")))
     seen: list[tuple[int, torch.Tensor]] = []
     solve = trainer.strategy.micro_step.solve
@@ -185,6 +187,8 @@ def test_a_run_solves_on_the_micro_steps_the_release_solves_on(tmp_path: Path) -
     for step, stack in seen:
         if step in (2, 4):
             torch.testing.assert_close(stack.float(), first_pieces[step], rtol=1e-4, atol=1e-7)
+    # the probe measures every step over the whole step, solve steps too (1 fresh piece)
+    assert all("harmonize/cos_min" in s and "stale/cos_to_fresh" in s for s in steps), steps
     cached = [s for s in steps if not s["solved"]]
     assert all(s["weights"] == s["release/alpha"] for s in cached)  # K = G: no groups
 
