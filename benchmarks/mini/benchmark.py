@@ -86,6 +86,14 @@ def methods(budget: Budget) -> list[Method]:
     # Every step solves, so every update is the min-norm point (its cosines come with the
     # solve, no probe); affordable with the per-row gradient engine.
     every_step = Method("marble_every_step", "MARBLE every step (N=1)", ("strategy.period=1",))
+    # As released: a solve step solves on its first micro-step (here 1 of its 2; 1 of 192
+    # in the SD3.5-M recipe), the rest mixes the advantages by the cached alphas.
+    released = Method(
+        "marble_released",
+        "MARBLE as released (N=10, one micro-step solves)",
+        ("strategy.name=marble", "strategy.solve_scope=micro_step"),
+        probe=True,
+    )
     singles = [
         Method(
             f"single_{r}",
@@ -112,6 +120,7 @@ def methods(budget: Budget) -> list[Method]:
         ),
         Method("reward_dropout", "reward dropout (p 0.3)", ("strategy.name=reward_dropout",)),
         Method("pcgrad", "PCGrad", ("strategy.name=pcgrad",)),
+        Method("gdpo", "GDPO", ("strategy.name=gdpo",), probe=True),
     ]
     ablation = {"table": "ablations"}
     ablations = [
@@ -125,7 +134,7 @@ def methods(budget: Budget) -> list[Method]:
         Method(f"marble_rho{rho}", f"MARBLE rho {rho}", (f"strategy.rho={rho}",), **ablation)
         for rho in (0.1, 0.3, 0.5, 0.9)
     ]  # fmt: skip
-    return [base, control, *singles, weighted, *baselines, marble, every_step, *ablations]
+    return [base, control, *singles, weighted, *baselines, marble, every_step, released, *ablations]
 
 
 def objective_methods() -> list[Method]:
@@ -148,6 +157,12 @@ def cost_methods() -> list[Method]:
         Method("cost_weighted_sum", "weighted sum", ("strategy.name=weighted_sum", epochs)),
         Method("cost_marble", "MARBLE amortized (N=10)", ("strategy.name=marble", epochs)),
         Method("cost_marble_every_step", "MARBLE every step (N=1)", ("strategy.period=1", epochs)),
+        Method(
+            "cost_marble_released",
+            "MARBLE as released (N=10)",
+            ("strategy.solve_scope=micro_step", epochs),
+        ),
+        Method("cost_gdpo", "GDPO", ("strategy.name=gdpo", epochs)),
     ]
 
 

@@ -282,6 +282,9 @@ CONFLICT_ROWS = (
     ("MARBLE: its full-solve steps", "marble", 1),
     ("MARBLE: its cached-weight steps", "marble", 0),
     ("MARBLE every step (N=1)", "marble_every_step", None),
+    ("MARBLE as released, all steps", "marble_released", None),
+    ("MARBLE as released: its solve steps (one micro-step fresh)", "marble_released", 1),
+    ("GDPO", "gdpo", None),
     ("MARBLE smoothed weights on solve steps: its solve steps", "marble_smoothed", 1),
 )
 

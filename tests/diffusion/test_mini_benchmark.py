@@ -86,7 +86,7 @@ def test_full_mode_has_every_row_the_issue_names():
     keys = [m.key for m in methods(MODES["full"])]
     for key in ("base", "weighted_sum", "sequential", "reward_dropout", "pcgrad", "marble",
                 "marble_no_norm", "marble_fixed_alpha", "marble_every_step", "noise_control",
-                "marble_smoothed"):  # fmt: skip
+                "marble_smoothed", "marble_released", "gdpo"):  # fmt: skip
         assert key in keys
     assert sum(k.startswith("single_") for k in keys) == len(TRAIN_REWARDS)
     assert sum(k.startswith("marble_rho") for k in keys) == 4
@@ -94,7 +94,7 @@ def test_full_mode_has_every_row_the_issue_names():
     for method, seed in jobs_of(MODES["full"]):
         seeds.setdefault(method.key, set()).add(seed)
     assert seeds["marble"] == seeds["noise_control"] == {0, 1, 2}  # main rows: 3 seeds
-    assert seeds["marble_every_step"] == {0, 1, 2}
+    assert seeds["marble_every_step"] == seeds["marble_released"] == seeds["gdpo"] == {0, 1, 2}
     assert seeds["marble_rho0.1"] == seeds["marble_smoothed"] == {0, 1}  # ablations: 2
     assert seeds["base"] == {0}
     assert not any(key.startswith(("flow_grpo", "sdpo")) for key in seeds)  # their own mode
