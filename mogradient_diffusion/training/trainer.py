@@ -563,8 +563,9 @@ class Trainer:
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """MARBLE as released (``strategy.solve_scope: micro_step``, release_marble.py):
         solve micro-steps apply their fresh direction, the others one backward on the
-        mixed advantage. A solve step's first micro-step is computed twice (its K
-        gradients, then as the mixed stream's skipped first piece: 1 of its pieces)."""
+        mixed advantage. A solve step's first micro-step is computed twice: its K
+        gradients, then a no-grad forward as the mixed stream's skipped first piece (the
+        stream's draws stay those of one pass)."""
         marble = self.strategy.micro_step
         plan = marble.plan(self.optimizer_step)
         state = generator.get_state()
@@ -582,9 +583,11 @@ class Trainer:
                 losses = iter(self.objective.losses(self.policy, step, solving, StepMetrics()))
                 self._solve_micro_step(losses, self._piece_replayer(step, state, 0), record)
             mixed = [dataclasses.replace(p, advantages=marble.mixed(p.advantages)) for p in step]
-            losses = self.objective.losses(self.policy, mixed, generator, metrics)
-            skipped = itertools.islice(losses, 1 if plan == "first" else 0, None)
-            accumulate_gradients(skipped, self.parameters, torch.ones(1, dtype=torch.float64))
+            losses = iter(self.objective.losses(self.policy, mixed, generator, metrics))
+            if plan == "first":  # the solved micro-step: its draws, without a graph (which
+                with torch.no_grad():  # the stream would hold through the next forward)
+                    next(losses, None)
+            accumulate_gradients(losses, self.parameters, torch.ones(1, dtype=torch.float64))
         record[keys.BACKWARD_TIME] = time.perf_counter() - started
         started = time.perf_counter()
         self.world.average_gradients(self.parameters)
