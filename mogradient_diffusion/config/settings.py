@@ -26,6 +26,10 @@ class ModelConfig:
     # the family's default. Classifier-free guidance is rollout.guidance_scale.
     guidance: float | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16
+    # true: float32 matmuls and convolutions on CUDA may round through TF32 (torch's
+    # float32 matmul precision "high", cudnn.allow_tf32), as the MARBLE release sets;
+    # false leaves torch's settings as they are.
+    tf32: bool = False
     device: str = "auto"  # auto = cuda when available
     gradient_checkpointing: bool = False
     # none | fsdp2: under torchrun, shard the frozen transformer weights over the processes

@@ -173,6 +173,9 @@ class Trainer:
         # and lora/) still loads the policy: run() finishes the export, nothing else.
         self._export_only = self._run_complete(config.train.epochs)
         model_path = self._model_path()
+        if config.model.tf32:  # process-wide, as the release sets it (train.py:722-724)
+            torch.set_float32_matmul_precision("high")
+            torch.backends.cudnn.allow_tf32 = True
         torch.manual_seed(config.run.seed)  # same LoRA init everywhere, whatever ran before
         try:
             self.policy = Policy.load(

@@ -45,6 +45,7 @@ def test_the_recipe_holds_the_release_numbers(recipe: TrainingConfig) -> None:
     rollout, train, lora, strategy = recipe.rollout, recipe.train, recipe.lora, recipe.strategy
     nft = recipe.objective.settings
     assert recipe.model.family in ("auto", "sd3")  # SD3.5-Medium (nft.py:25)
+    assert recipe.model.tf32 is True  # allow_tf32 (base.py:25; train.py:722-724)
     assert rollout.resolution == 512  # nft.py:26
     assert rollout.sampler == "dpm2"  # solver "dpm2", deterministic=True (nft.py:32-33)
     assert rollout.steps == 25  # sample.num_steps (nft.py:28)

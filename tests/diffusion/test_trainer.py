@@ -553,3 +553,22 @@ def test_an_engine_that_refuses_the_model_is_replaced_by_k_backward_passes(
     assert "refused this model (planted refusal)" in capsys.readouterr().err
     steps = [s for r in read_metrics(run) for s in r["optimizer_steps"] if s["solved"]]
     assert steps and all(step["engine"] == "batched" for step in steps)
+
+
+def test_model_tf32_sets_torch_float32_matmul_precision(tmp_path) -> None:
+    """model.tf32 is the release's allow_tf32: float32 matmul precision "high" (TF32 on
+    CUDA), which the per-row engine's tolerance then follows; false leaves it alone."""
+    previous = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for tf32, expected in ((False, "highest"), (True, "high")):
+            config = load_config(
+                preset="tiny",
+                overrides=[f"run.directory={tmp_path / str(tf32)}", f"model.tf32={tf32}"],
+            )
+            Trainer(config, World(rank=0, size=1, device=torch.device("cpu")))
+            assert torch.get_float32_matmul_precision() == expected
+        assert torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(previous[0])
+        torch.backends.cudnn.allow_tf32 = previous[1]
