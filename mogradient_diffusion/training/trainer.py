@@ -460,7 +460,7 @@ class Trainer:
         started = time.perf_counter()
         record[keys.PROBE_TIME] = 0.0
         # MARBLE as released solves on one micro-step: its solve steps are probed too
-        if probe is not None and (not record[keys.SOLVED] or self.strategy.micro_step):
+        if probe is not None and (not record[keys.SOLVED] or self.strategy.micro_step is not None):
             probe, _ = self._mask_silent_in_step(probe)
             record.update(self._conflict_probe(probe, self._replayer(probe, replay)))
             record[keys.PROBE_TIME] = time.perf_counter() - started
