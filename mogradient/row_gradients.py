@@ -232,7 +232,7 @@ class RowGradients:
                 return None  # a no-grad call (a rollout, a frozen adapter's pass)
             inputs = args[0] if args else kwargs["input"]
             device = output.device.type
-            if torch.is_autocast_enabled(device):
+            if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
                 self._forward_precision = _coarser(
                     self._forward_precision, torch.get_autocast_dtype(device)
                 )
