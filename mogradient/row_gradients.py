@@ -161,7 +161,7 @@ class RowGradients:
         self._summary_width = width
         self._directions: dict[tuple, torch.Tensor] = {}
         self._module = module  # its coarsest dtype bounds the interaction check's round-off
-        self._forward_precision = self.parameters[0].dtype  # set by each recording
+        self._forward_precision = self.parameters[0].dtype  # coarsened by recorded autocast
         self._rows_checked = False  # the first result's extra pass showed rows apart
         self._refused = False  # a result was refused: rows mixed or a weight used outside
         self._recording = False
@@ -216,8 +216,7 @@ class RowGradients:
 
     def _start(self) -> None:
         self._captures = []
-        # read at each recording: the module may have moved or changed dtype since
-        self._forward_precision = _coarsest_floating(self._module, self.parameters[0].dtype)
+        self._forward_precision = self.parameters[0].dtype
         self._mixing = []
         self._generation += 1
         self._recording = True
@@ -550,10 +549,12 @@ class RowGradients:
             u, weighted = probe
             expected = u.to(weighted.summary.dtype)[:, None] * tallies[0].summary
             # Both passes back-propagate through the whole forward: its coarsest rounding
-            # (a bfloat16 base model around float32 adapters) separates them, not only
-            # the recorded calls' own.
+            # (a bfloat16 base model around float32 adapters, or autocast) separates them,
+            # not only the recorded calls' own. The module is read here, once per engine,
+            # not at every recording: the check runs on the first result only.
             precision = _coarser(weighted.precision, tallies[0].precision)
             precision = _coarser(precision, self._forward_precision)
+            precision = _coarser(precision, _coarsest_floating(self._module, precision))
             checks.append((weighted.summary, expected, precision, _interacting))
         return checks
 
