@@ -123,7 +123,10 @@ class MicroStepMarble:
         return weights, record
 
     def objective_stack(self, stack: torch.Tensor) -> torch.Tensor:
-        """[K, D] per-reward gradients as [G, D] objective gradients (a group's mean)."""
+        """[K, D] per-reward gradients as [G, D] objective gradients (a group's mean);
+        the stack itself where every reward is its own objective (no copy of K x D)."""
+        if self.members == [[k] for k in range(len(self.reward_names))]:
+            return stack
         return torch.stack([stack[m].mean(dim=0) for m in self.members])
 
     def _fold(self, alpha: torch.Tensor) -> None:
