@@ -7,7 +7,7 @@ CONSTRAINTS := requirements/constraints.txt
 
 .PHONY: demo toys mini mini-objectives test docs fuzz lint bench bench-gpu gpu-wheels mtl clean
 
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+$(STAMP): pyproject.toml diffusion/pyproject.toml $(CONSTRAINTS)
 	# Debian's Tesseract for the OCR reward (skipped when already on PATH).
 	command -v tesseract >/dev/null || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -15,7 +15,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0 -c $(CONSTRAINTS)
-	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,diffusion,mtl,docs]" -c $(CONSTRAINTS)
+	# The two distributions of this repository: the core (torch + numpy) and the diffusion RL.
+	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,mtl,docs]" -e ./diffusion \
+		-c $(CONSTRAINTS)
 	# LibMTL for the parity tests and the head-to-head; --no-deps: its release pins
 	# torchvision, which neither needs (its weighting package is loaded on its own).
 	$(PY) -m pip install --quiet --no-deps LibMTL==1.1.5 -c $(CONSTRAINTS)
@@ -27,7 +29,7 @@ demo: $(STAMP)
 
 # Every harmonizer on the toy problems.
 toys: $(STAMP)
-	$(PY) -m mogradient.demo --out results/demo
+	$(PY) -m benchmarks.toys.demo --out results/demo
 
 # The whole miniature head-to-head (every method, 3 seeds, ablations and objective rows on 2):
 # ~590 core-seconds per epoch of budget, ~3.5 h on 2 cores at today's 40 epochs.

@@ -46,7 +46,7 @@ from mogradient_diffusion.runs import metric_keys as keys
 
 NAME = "engine_cost"
 ROOT = Path(__file__).resolve().parents[1]
-MINI = ROOT / "mogradient_diffusion" / "mini"
+MINI = ROOT / "miniature"
 TINY_REWARDS = ("color_match", "jpeg_incompressibility", "count_match", "ocr")
 OBJECTIVES = {
     "nft": (),
@@ -272,7 +272,7 @@ def main() -> int:
     info["loadavg_1_5_15_start"] = list(os.getloadavg())
     runs: dict[str, list[dict[str, Any]]] = {row.key: [] for row in rows}
     sys.path.insert(0, str(ROOT))
-    from mogradient_diffusion.mini.recipe import write_prompt_files
+    from miniature.recipe import write_prompt_files
 
     with tempfile.TemporaryDirectory(prefix="bench_engine_cost_") as tmp:
         prompts = write_prompt_files(Path(tmp) / "prompts")

@@ -12,7 +12,7 @@ publishable figures.
 What is real and what stands in (the output says so too):
 
 * transformer: the family's diffusers class built from the released
-  ``transformer/config.json`` (``mogradient_diffusion.model.memory``: SD3.5-Medium,
+  ``transformer/config.json`` (``benchmarks.memory_model``: SD3.5-Medium,
   FLUX.1-dev, Qwen-Image), random weights; compute and memory are those of the real
   model, the outputs are not;
 * VAE: the family's VAE class at the released shape, random weights;
@@ -90,12 +90,7 @@ from common import default_dtype, machine_info, markdown_table
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from mogradient.gradients import accumulate_gradients, flat_gradient, write_gradient
-from mogradient_diffusion.config.loading import TrainingConfig, load_config
-from mogradient_diffusion.model import policy as policy_module
-from mogradient_diffusion.model.embeddings import PromptEmbeddings
-from mogradient_diffusion.model.families import family_named
-from mogradient_diffusion.model.memory import (
+from benchmarks.memory_model import (
     FLUX1_DEV_TRANSFORMER,
     FLUX_VAE,
     QWEN_IMAGE_TRANSFORMER,
@@ -104,6 +99,11 @@ from mogradient_diffusion.model.memory import (
     SD3_VAE,
     SD35M_TRANSFORMER,
 )
+from mogradient.gradients import accumulate_gradients, flat_gradient, write_gradient
+from mogradient_diffusion.config.loading import TrainingConfig, load_config
+from mogradient_diffusion.model import policy as policy_module
+from mogradient_diffusion.model.embeddings import PromptEmbeddings
+from mogradient_diffusion.model.families import family_named
 from mogradient_diffusion.model.tiny_flux import DEV_SCHEDULER
 from mogradient_diffusion.model.tiny_qwen_image import SCHEDULER_CONFIG as QWEN_SCHEDULER
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece

@@ -3,7 +3,7 @@ against measured peaks on CPU.
 
 Why: no GPU was at hand to measure SD3.5-M, FLUX.1-dev or Qwen-Image training, and the
 question "which card does a recipe fit" is mostly a count. The estimate is
-:mod:`mogradient_diffusion.model.memory` (meta-device counts at the released configs);
+:mod:`benchmarks.memory_model` (meta-device counts at the released configs);
 this script tabulates it per family for 24, 48, 80 and 141 GB cards and checks the part
 that is a model rather than a count.
 
@@ -31,9 +31,7 @@ from typing import Any
 import torch
 from common import machine_info, machine_markdown, markdown_table, write_results
 
-from mogradient.row_gradients import RowGradients
-from mogradient_diffusion.model.families import family_named
-from mogradient_diffusion.model.memory import (
+from benchmarks.memory_model import (
     GIB,
     GPUS,
     LORA_COPIES,
@@ -52,6 +50,8 @@ from mogradient_diffusion.model.memory import (
     training_forward,
     transformer_blocks,
 )
+from mogradient.row_gradients import RowGradients
+from mogradient_diffusion.model.families import family_named
 
 # GPUs of one node that model.shard: fsdp2 shards the frozen transformer over
 FSDP_GPUS = 8
@@ -276,7 +276,7 @@ def render(payload: dict[str, Any]) -> str:
         "",
         "Estimated, not measured on a GPU: parameters, LoRA and the tensors a training "
         "forward saves are counted exactly on the meta device from the released configs "
-        "(`mogradient_diffusion/model/memory.py`); the backward's transient "
+        "(`benchmarks/memory_model.py`); the backward's transient "
         f"({TRANSIENT_BLOCK_FRACTION} x the largest block's saved bytes) is calibrated on "
         f"CPU below; {RUNTIME_RESERVE_GIB} GiB for the CUDA context and workspaces is "
         "assumed. Frozen weights in bf16; LoRA, its gradient, EMA and Adam moments in "

@@ -69,7 +69,7 @@ install_wheels() {
   if [[ -d $WHEELS ]]; then
     wheels=("$WHEELS"/*.whl)
   fi
-  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$REPO:$REPO/diffusion${PYTHONPATH:+:$PYTHONPATH}"
   if ((${#wheels[@]} == 0)); then
     echo "wheels: none in $WHEELS, nothing installed: $PYTHON's own packages are used" >>"$ENV_FILE"
     return

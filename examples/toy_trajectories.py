@@ -1,6 +1,9 @@
 """Every registered harmonizer on the CAGrad / Nash-MTL 2-D toy, from several starts.
 
-    python examples/toy_trajectories.py --out results/toy_trajectories [--steps 300]
+    python -m examples.toy_trajectories --out results/toy_trajectories [--steps 300]
+
+Run it from the repository root: the toy problems live in ``benchmarks/toys``, beside the
+demo that runs every harmonizer on them (``make toys``), not in the installed library.
 
 Writes the trajectories in parameter space (over the mean loss, with the exact Pareto
 front) and in objective space, and prints where each run ended.
@@ -13,10 +16,10 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
+from benchmarks.toys.demo import SKIPPED
+from benchmarks.toys.plots import plot_objective_space, plot_parameter_space
+from benchmarks.toys.problems import STANDARD_STARTS, cagrad_toy, optimize_starts
 from mogradient import HARMONIZERS, make_harmonizer
-from mogradient.demo import SKIPPED
-from mogradient.plotting import plot_objective_space, plot_parameter_space
-from mogradient.toys import STANDARD_STARTS, cagrad_toy, optimize_starts
 
 
 def main(argv: Sequence[str] | None = None) -> Path:

@@ -11,7 +11,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from mogradient import HARMONIZERS, demo
+from benchmarks.toys import demo
+from mogradient import HARMONIZERS
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -11,15 +11,22 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("mogradient", "mogradient_diffusion", "benchmarks", "tools")
+# package -> the folder it is imported from (the diffusion distribution lives in diffusion/)
+PACKAGES = {
+    "mogradient": ROOT,
+    "mogradient_diffusion": ROOT / "diffusion",
+    "miniature": ROOT,
+    "benchmarks": ROOT,
+    "tools": ROOT,
+}
 
 
 def _modules() -> dict[str, Path]:
     """Dotted name -> file of every Python module in the project's packages."""
     found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+    for package, home in PACKAGES.items():
+        for path in sorted((home / package).rglob("*.py")):
+            parts = path.relative_to(home).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             found[name] = path
     return found

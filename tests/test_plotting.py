@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.toys import plots as toy_plots
+from benchmarks.toys.problems import Trajectory, cagrad_toy, optimize_starts, triangle_quadratics
 from mogradient import plotting
 from mogradient.harmonizers import MGDA, Mean
-from mogradient.toys import Trajectory, cagrad_toy, optimize_starts, triangle_quadratics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -62,13 +63,13 @@ def test_metric_panels(tmp_path: Path) -> None:
 
 
 def test_objective_space(tmp_path: Path, toy_runs: dict[str, list[Trajectory]]) -> None:
-    assert_png(plotting.plot_objective_space(cagrad_toy(), toy_runs, tmp_path / "objective.png"))
+    assert_png(toy_plots.plot_objective_space(cagrad_toy(), toy_runs, tmp_path / "objective.png"))
 
 
 def test_parameter_space(tmp_path: Path, toy_runs: dict[str, list[Trajectory]]) -> None:
     problem = cagrad_toy()
-    assert_png(plotting.plot_parameter_space(problem, toy_runs, tmp_path / "params.png"))
-    plain = plotting.plot_parameter_space(problem, toy_runs, tmp_path / "plain.png", contour=False)
+    assert_png(toy_plots.plot_parameter_space(problem, toy_runs, tmp_path / "params.png"))
+    plain = toy_plots.plot_parameter_space(problem, toy_runs, tmp_path / "plain.png", contour=False)
     assert_png(plain)
 
 
@@ -76,7 +77,7 @@ def test_trajectory_plots_check_the_problem_shape(
     tmp_path: Path, toy_runs: dict[str, list[Trajectory]]
 ) -> None:
     with pytest.raises(ValueError, match="2 objectives"):
-        plotting.plot_objective_space(triangle_quadratics(), toy_runs, tmp_path / "x.png")
+        toy_plots.plot_objective_space(triangle_quadratics(), toy_runs, tmp_path / "x.png")
     with pytest.raises(ValueError, match="no methods"):
         plotting.plot_loss_curves({}, tmp_path / "x.png")
 

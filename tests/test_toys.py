@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from mogradient import MGDA, make_harmonizer
-from mogradient.toys import (
+from benchmarks.toys.problems import (
     LITERATURE_FRONT_X2,
     LOWER,
     STANDARD_STARTS,
@@ -23,6 +22,7 @@ from mogradient.toys import (
     quadratic_pareto_point,
     triangle_quadratics,
 )
+from mogradient import MGDA, make_harmonizer
 
 
 def point(*values: float) -> torch.Tensor:

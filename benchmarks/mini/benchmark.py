@@ -2,8 +2,8 @@
 prompts with the training rewards and with metrics no method trained on.
 
 Each (method, seed) is a ``mogradient-diffusion train`` process on the shipped base model
-(``mogradient_diffusion/mini/base_model``) with the shared recipe
-(``mogradient_diffusion/mini/config.yaml``), then an ``eval``
+(``miniature/base_model``) with the shared recipe
+(``miniature/config.yaml``), then an ``eval``
 process on the held-out prompts; processes run ``--workers`` at a time, one thread each.
 The aggregate step writes the Table-1 style table, the conflict table (weighted sum vs
 MARBLE, measured with ``run.conflict_probe``), training curves, MARBLE's weights, the cost
@@ -32,15 +32,15 @@ from typing import Literal
 
 from benchmarks.mini.report import rising_table, write_report
 from benchmarks.mini.runs import Method, RunResult
-from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH
-from mogradient_diffusion.mini.recipe import (
+from miniature.pretrain import MAX_SEQUENCE_LENGTH
+from miniature.recipe import (
     BASE_MODEL,
     CONFIG,
     HELD_OUT,
     TRAIN_REWARDS,
     write_prompt_files,
 )
-from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
+from miniature.world import MiniPrompt, split_prompts
 
 EVAL_STEPS = 16
 NOISE = "mini_noise"  # the control's reward: uniform noise, signal-free advantages
@@ -170,7 +170,7 @@ def scored_by(reward: str, prompts: list[MiniPrompt]) -> list[MiniPrompt]:
     """The ``prompts`` that ``reward`` scores (it returns NaN on the others)."""
     import torch
 
-    import mogradient_diffusion.mini  # noqa: F401  (registers the mini rewards)
+    import miniature  # noqa: F401  (registers the mini rewards)
     from mogradient_diffusion.rewards.registry import make_reward
 
     blank = torch.zeros(len(prompts), 3, 8, 8)
@@ -242,7 +242,7 @@ def run_one(
     command = [
         *cli, "eval", "--model", str(model), "--prompts", str(prompts / "heldout.jsonl"),
         "--metrics", ",".join(TRAIN_REWARDS + HELD_OUT),
-        "--reward-module", "mogradient_diffusion.mini",
+        "--reward-module", "miniature",
         "--out", str(result.eval_dir), "--steps", str(EVAL_STEPS), "--seed", "1000",
         "--images-per-prompt", str(budget.eval_images), "--batch-size", "16", "--device", "cpu",
         "--max-sequence-length", str(MAX_SEQUENCE_LENGTH),
@@ -303,8 +303,7 @@ def run_benchmark(
     budget = MODES[mode]
     if not (model / "model_index.json").is_file():
         raise FileNotFoundError(
-            f"no base model at {model}: "
-            f"run `python -m mogradient_diffusion.mini.pretrain --out {model}`"
+            f"no base model at {model}: run `python -m miniature.pretrain --out {model}`"
         )
     prompts = write_prompt_files(work / "prompts")
     jobs = jobs_of(budget)

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from benchmarks.mini.learnability import specialist_overrides
+from miniature.recipe import BASE_MODEL, CONFIG, write_prompt_files
 from mogradient.gradients import accumulate_gradients
 from mogradient_diffusion.config.loading import load_config
-from mogradient_diffusion.mini.recipe import BASE_MODEL, CONFIG, write_prompt_files
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.records import skipped_step_record

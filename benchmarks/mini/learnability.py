@@ -45,9 +45,9 @@ import torch
 import yaml
 
 from benchmarks.mini.benchmark import EVAL_STEPS, NOISE, own_prompts_override, scored_by
-from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH
-from mogradient_diffusion.mini.recipe import BASE_MODEL, CONFIG, TRAIN_REWARDS, write_prompt_files
-from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
+from miniature.pretrain import MAX_SEQUENCE_LENGTH
+from miniature.recipe import BASE_MODEL, CONFIG, TRAIN_REWARDS, write_prompt_files
+from miniature.world import MiniPrompt, split_prompts
 from mogradient_diffusion.runs import metric_keys as keys
 
 HELD_OUT_OF = {  # the held-out metrics each training reward stands in for
@@ -115,7 +115,7 @@ def measure_base(
     model: Path, rewards: list[str], per_source: int, seed: int, config: Path = CONFIG
 ) -> dict[str, Any]:
     """Sample the recipe's groups at the base model and score them with every reward."""
-    import mogradient_diffusion.mini  # noqa: F401  (registers the miniature's rewards)
+    import miniature  # noqa: F401  (registers the miniature's rewards)
     from mogradient_diffusion.model.policy import LoraSpec, Policy
     from mogradient_diffusion.rewards.registry import make_reward
     from mogradient_diffusion.sampling.rollout import rollout
@@ -242,7 +242,7 @@ def specialist_check(
             result[f"{label}_curve"] = _curve(run_dir / "run", runs[label])
         command = [
             *cli, "eval", "--model", str(model), "--prompts", str(eval_file),
-            "--metrics", ",".join(metrics), "--reward-module", "mogradient_diffusion.mini",
+            "--metrics", ",".join(metrics), "--reward-module", "miniature",
             "--out", str(run_dir / "eval"), "--steps", str(EVAL_STEPS), "--seed", "1000",
             "--images-per-prompt", str(eval_images), "--batch-size", "16", "--device", "cpu",
             "--max-sequence-length", str(MAX_SEQUENCE_LENGTH), "--label", label, "--quiet",

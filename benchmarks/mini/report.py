@@ -21,8 +21,8 @@ import numpy as np
 import yaml
 
 from benchmarks.mini.runs import RunResult
+from miniature.recipe import HELD_OUT, TRAIN_REWARDS
 from mogradient_diffusion.evaluation.compare import metric_value, ranked_table
-from mogradient_diffusion.mini.recipe import HELD_OUT, TRAIN_REWARDS
 from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.runs.metrics_log import read_metrics
 

@@ -24,10 +24,10 @@ import torch
 from logical_accelerator import ACCELERATOR, AcceleratorTensor, DeviceMismatch, logical_accelerator
 from torch import Tensor, nn
 
-import mogradient_diffusion.mini  # noqa: F401  (registers the miniature's rewards)
+import miniature  # noqa: F401  (registers the miniature's rewards)
+from miniature import world
 from mogradient_diffusion.evaluation import evaluate
 from mogradient_diffusion.evaluation.inputs import resolve_device
-from mogradient_diffusion.mini import world
 from mogradient_diffusion.model.policy import LoraSpec, Policy
 from mogradient_diffusion.rewards import REWARDS, Reward, RewardSet, make_reward
 from mogradient_diffusion.rewards.base import Metadata

@@ -12,9 +12,7 @@ import torch
 import yaml
 from torch import nn
 
-from mogradient_diffusion.config.settings import RolloutConfig
-from mogradient_diffusion.model.families import family_named
-from mogradient_diffusion.model.memory import (
+from benchmarks.memory_model import (
     GIB,
     GPUS,
     RECIPES,
@@ -26,6 +24,8 @@ from mogradient_diffusion.model.memory import (
     trace_training_forward,
     training_forward,
 )
+from mogradient_diffusion.config.settings import RolloutConfig
+from mogradient_diffusion.model.families import family_named
 
 FAMILY_RECIPES = ("sd35m", "flux1dev", "qwen_image")
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -36,14 +36,14 @@ from benchmarks.mini.report import (  # noqa: E402
     rising_table,
 )
 from benchmarks.mini.runs import Method, RunResult  # noqa: E402
-from mogradient_diffusion.mini.recipe import (  # noqa: E402
+from miniature.recipe import (  # noqa: E402
     BASE_MODEL,
     CONFIG,
     HELD_OUT,
     TRAIN_REWARDS,
     write_prompt_files,
 )
-from mogradient_diffusion.mini.world import all_prompts, split_prompts, vocabulary  # noqa: E402
+from miniature.world import all_prompts, split_prompts, vocabulary  # noqa: E402
 from mogradient_diffusion.prompts.sources import load_prompt_file  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def test_report_and_package_import_nothing_of_the_runner():
     the installed package needs nothing from benchmarks/."""
     code = (
         "import sys\n"
-        "import mogradient_diffusion.mini, mogradient_diffusion.mini.recipe\n"
+        "import miniature, miniature.recipe\n"
         "assert not [m for m in sys.modules if m.startswith('benchmarks')]\n"
         "import benchmarks.mini.report\n"
         "assert 'benchmarks.mini.benchmark' not in sys.modules"
@@ -120,7 +120,7 @@ def test_cost_runs_train_fewer_epochs_than_the_budget(tmp_path):
 
 @pytest.mark.parametrize("reward", TRAIN_REWARDS)
 def test_specialists_train_on_every_prompt_their_reward_scores_and_no_other(tmp_path, reward):
-    import mogradient_diffusion.mini  # noqa: F401
+    import miniature  # noqa: F401
     from mogradient_diffusion.config.loading import load_config
     from mogradient_diffusion.rewards.registry import make_reward
 

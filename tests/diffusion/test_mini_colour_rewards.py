@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from mogradient_diffusion.mini import world
-from mogradient_diffusion.mini.colour_rewards import (
+from miniature import world
+from miniature.colour_rewards import (
     RELATION_SCALE,
     SIGMA,
     amount_match,

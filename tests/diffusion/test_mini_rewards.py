@@ -20,8 +20,8 @@ import pytest
 import torch
 from PIL import Image, ImageFilter
 
-from mogradient_diffusion.mini import world
-from mogradient_diffusion.mini.rewards import (
+from miniature import world
+from miniature.rewards import (
     MiniBinding,
     MiniBindingStrict,
     MiniCount,
@@ -31,7 +31,7 @@ from mogradient_diffusion.mini.rewards import (
     count_exact,
     count_score,
 )
-from mogradient_diffusion.mini.vision import (
+from miniature.vision import (
     classify_shape,
     component_labels,
     detect_shapes,
@@ -374,7 +374,7 @@ def test_blob_terms_count_colours_whatever_the_shape_or_score():
 
 
 def test_character_reader_reads_clean_and_blurred_signs_letter_by_letter():
-    from mogradient_diffusion.mini.reader import read_sign_letters
+    from miniature.reader import read_sign_letters
 
     for word in world.WORDS:
         clean = world.render(world.Scene(text=word))
@@ -398,7 +398,7 @@ def test_mini_ocr_is_graded_by_letters_and_nan_off_text_prompts():
 
 
 def test_sign_legibility_prefers_crisp_signs_with_the_words_ink():
-    from mogradient_diffusion.mini.sign import sign_legibility
+    from miniature.sign import sign_legibility
 
     for word in world.WORDS:
         clean = world.render(world.Scene(text=word))

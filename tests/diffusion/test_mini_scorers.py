@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mogradient_diffusion.mini import scorers, train_scorers, world
+from miniature import scorers, train_scorers, world
 from mogradient_diffusion.rewards import MissingWeightsError, make_reward
 
 FRESH = 424_242

@@ -30,7 +30,7 @@ def test_tiny_pipeline_round_trips_and_generates(tiny_pipeline_dir: Path) -> Non
 
 def test_clip_tokenizer_keeps_every_known_word_whole() -> None:
     """BPE merges of one word must not split another (green was g/re/e/n</w>)."""
-    from mogradient_diffusion.mini.world import vocabulary
+    from miniature.world import vocabulary
     from mogradient_diffusion.model.tiny import DEFAULT_WORDS, _clip_tokenizer
 
     words = tuple(dict.fromkeys(DEFAULT_WORDS + vocabulary()))
@@ -44,9 +44,9 @@ def test_every_mini_prompt_fits_the_shipped_text_context() -> None:
     """No miniature prompt is truncated by the shipped CLIP or T5 tokenizers."""
     from transformers import CLIPTokenizer, T5TokenizerFast
 
-    from mogradient_diffusion.mini.pretrain import MAX_SEQUENCE_LENGTH, SPEC
-    from mogradient_diffusion.mini.recipe import BASE_MODEL
-    from mogradient_diffusion.mini.world import all_prompts
+    from miniature.pretrain import MAX_SEQUENCE_LENGTH, SPEC
+    from miniature.recipe import BASE_MODEL
+    from miniature.world import all_prompts
 
     clip = CLIPTokenizer.from_pretrained(BASE_MODEL / "tokenizer")
     t5 = T5TokenizerFast.from_pretrained(BASE_MODEL / "tokenizer_3")

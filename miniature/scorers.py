@@ -14,8 +14,8 @@ reward mix runs offline on a CPU:
   embedding trained contrastively (InfoNCE).
 
 Checkpoints (``<name>.safetensors`` + ``<name>.json``) ship in ``mini/weights/`` and are
-made by ``python -m mogradient_diffusion.mini.train_scorers --out
-mogradient_diffusion/mini/weights``; the option ``path`` points a reward at another
+made by ``python -m miniature.train_scorers --out
+miniature/weights``; the option ``path`` points a reward at another
 directory written by that script.
 """
 
@@ -36,10 +36,10 @@ from ..rewards.registry import register_reward
 
 IMAGE_SIZE = 64
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
-TRAIN_COMMAND = "python -m mogradient_diffusion.mini.train_scorers --out <dir>"
+TRAIN_COMMAND = "python -m miniature.train_scorers --out <dir>"
 HOW_TO_GET = (
     f"Train the mini scorers with `{TRAIN_COMMAND}` (the shipped checkpoints live in "
-    "mogradient_diffusion/mini/weights/) and pass that directory as the option `path`."
+    "miniature/weights/) and pass that directory as the option `path`."
 )
 PAD, UNKNOWN = 0, 1  # token ids reserved before the vocabulary
 

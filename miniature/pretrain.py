@@ -19,8 +19,8 @@ The shipped checkpoint (``mini/base_model``) was made in two runs (its
 first is the earlier shipped model (git f519362, before the tokenizer fix, whose text
 conditioning the second run replaces), the second, 29 min on one shared core::
 
-    python -m mogradient_diffusion.mini.pretrain --out base_v1              # 600 + 4000 steps
-    python -m mogradient_diffusion.mini.pretrain --out mogradient_diffusion/mini/base_model \
+    python -m miniature.pretrain --out base_v1              # 600 + 4000 steps
+    python -m miniature.pretrain --out miniature/base_model \
         --init base_v1 --vae-steps 80 --text-share 0.5 --flow-steps 1500
 """
 
@@ -38,7 +38,7 @@ import torch
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from mogradient_diffusion.mini.world import (
+from miniature.world import (
     MiniPrompt,
     render,
     sample_scene,

@@ -1,8 +1,8 @@
 """Train the mini world's learned scorers from scratch (``mini/scorers.py`` defines them).
 
-The shipped checkpoints in ``mogradient_diffusion/mini/weights/`` were made with::
+The shipped checkpoints in ``miniature/weights/`` were made with::
 
-    python -m mogradient_diffusion.mini.train_scorers --out mogradient_diffusion/mini/weights
+    python -m miniature.train_scorers --out miniature/weights
 
 (defaults: ``--seed 0 --threads 1``; about 4.5 minutes on one CPU core). Everything is
 generated on the fly from the world, deterministically given the seed and thread count:
@@ -537,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         report = train_all(args.out, args.seed, steps, args.eval_size, args.eval_scenes)
     finally:
         torch.set_num_threads(threads)  # main() may run inside a test process
-    report["command"] = "python -m mogradient_diffusion.mini.train_scorers " + " ".join(
+    report["command"] = "python -m miniature.train_scorers " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     report["threads"] = args.threads
@@ -570,7 +570,7 @@ def train_all(
             "target": "q = prod_k (1 - w_k s_k) over DEGRADATIONS severities",
             "target_weights": weights,
             "output": "sigmoid(logit) in [0, 1]",
-            "trained_by": "mogradient_diffusion.mini.train_scorers",
+            "trained_by": "miniature.train_scorers",
             "seed": seed,
             "steps": steps[name],
         }
@@ -588,7 +588,7 @@ def train_all(
     print(f"[mini_alignment] {seconds:.0f}s  " + json.dumps(metrics))
     config = {
         "output": "cosine(image embedding, prompt embedding) in [-1, 1]",
-        "trained_by": "mogradient_diffusion.mini.train_scorers",
+        "trained_by": "miniature.train_scorers",
         "seed": seed,
         "steps": steps["mini_alignment"],
     }

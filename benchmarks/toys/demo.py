@@ -1,6 +1,6 @@
 """Every registered harmonizer on the analytic toys: plots plus a markdown and JSON table.
 
-Run ``python -m mogradient.demo --out results/demo [--steps N]``. Each method runs from
+Run ``python -m benchmarks.toys.demo --out results/demo [--steps N]``. Each method runs from
 every start of the CAGrad / Nash-MTL 2-D toy and of a three-bowl quadratic problem with
 Adam; the table says how many runs reached the Pareto set, how far the others stopped
 from it, how often a step worked against some objective (worst cosine < 0), and what a
@@ -23,10 +23,17 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.toys import plots as toy_plots
+from benchmarks.toys.problems import (
+    ToyProblem,
+    Trajectory,
+    cagrad_toy,
+    optimize_starts,
+    triangle_quadratics,
+)
 from mogradient import plotting
 from mogradient.diagnostics import ConflictAccumulator
 from mogradient.harmonizers import HARMONIZERS, Harmonizer, make_harmonizer
-from mogradient.toys import ToyProblem, Trajectory, cagrad_toy, optimize_starts, triangle_quadratics
 
 PROBLEMS: dict[str, Callable[[], ToyProblem]] = {
     "cagrad_toy": cagrad_toy,
@@ -93,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mogradient.demo",
+        prog="python -m benchmarks.toys.demo",
         description="Run every registered harmonizer on analytic toy problems; write plots "
         "and a table of Pareto-front reach and gradient conflict.",
     )
@@ -353,9 +360,9 @@ def _write_plots(outcomes: list[Outcome], out: Path) -> None:
         runs = {o.task.method: o.runs for o in outcomes if o.task.problem == name and o.runs}
         if not runs:
             continue
-        plotting.plot_parameter_space(problem, runs, out / f"{name}_parameter_space.png")
+        toy_plots.plot_parameter_space(problem, runs, out / f"{name}_parameter_space.png")
         if problem.num_objectives == 2:
-            plotting.plot_objective_space(problem, runs, out / f"{name}_objective_space.png")
+            toy_plots.plot_objective_space(problem, runs, out / f"{name}_objective_space.png")
         plotting.plot_cosine_distributions(
             {
                 method: torch.cat([run.cos_min() for run in trajectories])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from mogradient_diffusion.mini.world import MiniPrompt, split_prompts
+from miniature.world import MiniPrompt, split_prompts
 
 HERE = Path(__file__).parent
 BASE_MODEL = HERE / "base_model"

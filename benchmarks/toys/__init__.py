@@ -1,0 +1,1 @@
+"""Toy multi-objective problems, every harmonizer run on them, and their plots."""
