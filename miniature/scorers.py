@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..rewards.base import Metadata, Reward
-from ..rewards.local_weights import require_files
-from ..rewards.registry import register_reward
+from mogradient_diffusion.rewards.base import Metadata, Reward
+from mogradient_diffusion.rewards.local_weights import require_files
+from mogradient_diffusion.rewards.registry import register_reward
 
 IMAGE_SIZE = 64
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
