@@ -87,10 +87,7 @@ from bench_trainer import LABELS as STRATEGY_LABELS
 from bench_trainer import PAPER, THREADS, _compact, source_state
 from bench_trainer import STRATEGIES as STRATEGY_OVERRIDES
 from common import default_dtype, machine_info, markdown_table
-from torch.utils.flop_counter import FlopCounterMode
-from tqdm.auto import tqdm
-
-from benchmarks.memory_model import (
+from memory_model import (
     FLUX1_DEV_TRANSFORMER,
     FLUX_VAE,
     QWEN_IMAGE_TRANSFORMER,
@@ -99,8 +96,10 @@ from benchmarks.memory_model import (
     SD3_VAE,
     SD35M_TRANSFORMER,
 )
-from mogradient.gradients import accumulate_gradients, flat_gradient, write_gradient
-from mogradient_diffusion.config.loading import TrainingConfig, load_config
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm.auto import tqdm
+
+from mogradient.engines import GradientEngine, accumulate_gradients, flat_gradient, write_gradient
 from mogradient_diffusion.model import policy as policy_module
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.model.families import family_named
@@ -112,10 +111,10 @@ from mogradient_diffusion.rewards import Reward, register_reward
 from mogradient_diffusion.rewards.base import Metadata
 from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.sampling.rollout import rollout
+from mogradient_diffusion.strategies import Strategy, build_strategy
 from mogradient_diffusion.training.distributed import World
-from mogradient_diffusion.training.step_gradients import StepGradients
-from mogradient_diffusion.training.strategies import Strategy, build_strategy
 from mogradient_diffusion.training.trainer import Trainer, TrainerCallback
+from mogradient_diffusion.training_config import TrainingConfig, load_config
 
 # MARBLE as released (the recipe's own scope): a solve step solves on its first micro-step.
 RELEASED = {"marble_released": ["strategy.name=marble", "strategy.solve_scope=micro_step"]}
@@ -598,7 +597,7 @@ def make_strategy(
 ) -> Strategy:
     """One row's fresh strategy (an empty MARBLE cache)."""
     config = recipe_config(args, shape, run_dir, name, world_size)
-    return build_strategy(config.strategy, trainer.reward_names, seed=0)
+    return build_strategy(config.strategy.name, config.strategy.settings, trainer.reward_names)
 
 
 # ------------------------------------------------------------------------ timing
@@ -913,14 +912,15 @@ class StepTimer(TrainerCallback):
 
 
 def run_epoch(
-    trainer: Trainer, timer: StepTimer, strategy: Strategy, gradients: StepGradients | None = None
+    trainer: Trainer, timer: StepTimer, strategy: Strategy, gradients: GradientEngine | None = None
 ) -> dict[str, Any]:
     """One real ``train_epoch`` under ``strategy`` (and ``gradients``' engine): epoch,
     rollout and per-step times, memory."""
     device = trainer.world.device
     trainer.strategy = strategy
+    trainer.harmonized.weigh = strategy.weights
     if gradients is not None:
-        trainer.gradients = gradients
+        trainer.harmonized.engine = gradients
     timer.steps = []
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -947,7 +947,7 @@ class ModeRows:
 
     checkpointing: bool
     strategies: dict[str, Strategy]
-    engines: dict[str, StepGradients]
+    engines: dict[str, GradientEngine]
     epochs: list[dict[str, Any]] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)
 
@@ -966,7 +966,7 @@ def mode_rows(
             checkpointing,
             make_strategies(args, shape, run_dir, trainer, 1),
             {
-                engine: StepGradients(
+                engine: GradientEngine(
                     trainer.policy.transformer,
                     trainer.parameters,
                     engine,

@@ -38,7 +38,7 @@ from common import (
 from torch import nn
 
 from mogradient.combinable import CombinableLoss, masked_mean_coefficients
-from mogradient.gradients import combinable_gradients, objective_gradients
+from mogradient.engines import combinable_gradients, objective_gradients
 
 NAME = "gradient_engines"
 NUM_OBJECTIVES = 5

@@ -2,7 +2,7 @@
 
 Why: TorchJD 0.18's ``autogram.Engine`` computes the B x B Gramian of per-instance losses
 with module hooks, one extra backward and a re-forward of each hooked module. The per-row
-engine (``mogradient.row_gradients.RowGradients.gram`` on
+engine (``mogradient.engines.RowGradients.gram`` on
 ``CombinableLoss.instance_wise(losses)``) needs one backward to the trainable Linears'
 outputs and, where few positions per row make it cheaper, the factored per-layer Gram
 (d d^T) o (x x^T) without forming any per-sample gradient. Both run on the same models
@@ -49,7 +49,7 @@ from common import (
 from torch import nn
 
 from mogradient.combinable import CombinableLoss
-from mogradient.row_gradients import RowGradients
+from mogradient.engines import RowGradients
 
 NAME = "instance_gram"
 CLASSES = 10

@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 from common import machine_info, machine_markdown, markdown_table, write_results
-
-from benchmarks.memory_model import (
+from memory_model import (
     GIB,
     GPUS,
     LORA_COPIES,
@@ -50,7 +49,8 @@ from benchmarks.memory_model import (
     training_forward,
     transformer_blocks,
 )
-from mogradient.row_gradients import RowGradients
+
+from mogradient.engines import RowGradients
 from mogradient_diffusion.model.families import family_named
 
 # GPUs of one node that model.shard: fsdp2 shards the frozen transformer over

@@ -1,10 +1,10 @@
 """Exactness and speed of MGDA and UPGrad: mogradient vs TorchJD on the same float32 stacks.
 
-Why: the design claims (DESIGN.md section 2) that Frank-Wolfe MGDA stops far from the
-optimum and that float32 Grams of large rank-deficient stacks break QP-based methods.
-This script measures both claims, and our own cost, on K x D stacks built to have
-conflicts and near rank deficiency. Both libraries get the float32 stack, so every
-timing includes the Gram computation and the final combination.
+Why: two claims the core's exact solvers answer (docs/core/exactness.md): Frank-Wolfe MGDA
+stops far from the optimum, and float32 Grams of large rank-deficient stacks break QP-based
+methods. This script measures both claims, and our own cost, on K x D stacks built to have
+conflicts and near rank deficiency (results: docs/benchmarks/index.md). Both libraries get
+the float32 stack, so every timing includes the Gram computation and the final combination.
 
 Run: ``python benchmarks/bench_mgda_exactness.py [--quick]``.
 """

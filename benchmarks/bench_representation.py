@@ -1,7 +1,7 @@
 """Multi-task backward through shared features: mogradient's trunk and MGDA-UB modes vs
 TorchJD's ``mtl_backward``.
 
-Why: ``mogradient.representation.mtl_backward`` gets the trunk's K per-task gradients by
+Why: ``mogradient.engines.mtl_backward`` gets the trunk's K per-task gradients by
 back-propagating the K rows of the features' Jacobian through the trunk (one vmapped pass,
 or K plain passes), as TorchJD's ``mtl_backward`` + ``jac_to_grad`` does; its MGDA-UB mode
 (Sener & Koltun 2018) instead weighs the K gradients w.r.t. the features and runs one
@@ -59,7 +59,7 @@ from common import (
 from torch import nn
 
 import mogradient as mg
-from mogradient.representation import mtl_backward
+from mogradient.engines import mtl_backward
 
 NAME = "representation"
 INPUTS = 256
@@ -144,9 +144,15 @@ def steps(
         torch.stack(losses).sum().backward()
 
     functions = {
-        "ours trunk (batched)": ours("ours trunk (batched)", mg.UPGrad, method="batched"),
-        "ours trunk (sequential)": ours("ours trunk (sequential)", mg.UPGrad, method="sequential"),
-        "ours MGDA-UB": ours("ours MGDA-UB", lambda: mg.MGDA(normalize=False), mode="features"),
+        "ours trunk (batched)": ours(
+            "ours trunk (batched)", mg.harmonizers.UPGrad, method="batched"
+        ),
+        "ours trunk (sequential)": ours(
+            "ours trunk (sequential)", mg.harmonizers.UPGrad, method="sequential"
+        ),
+        "ours MGDA-UB": ours(
+            "ours MGDA-UB", lambda: mg.harmonizers.MGDA(normalize=False), mode="features"
+        ),
         "TorchJD": torchjd,
         "sum backward": sum_backward,
     }

@@ -38,10 +38,10 @@ from typing import Any
 
 from common import machine_info, machine_markdown, markdown_table, status_kib, write_results
 
-from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.trainer import Trainer, TrainerCallback
+from mogradient_diffusion.training_config import load_config
 
 NAME = "trainer_tiny_cpu"
 # One thread: on this shared 2-core VM other jobs keep the load average above 1, and a

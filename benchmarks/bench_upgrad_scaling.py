@@ -50,8 +50,9 @@ from common import (
 from threadpoolctl import threadpool_limits
 
 import mogradient._qp_cone as qp_cone
-from mogradient import MGDA, UPGrad, gram_matrix
-from mogradient.harmonizers.upgrad import SLOW_SOLVE_SECONDS
+from mogradient.harmonizers import MGDA, UPGrad
+from mogradient.harmonizers._upgrad import SLOW_SOLVE_SECONDS
+from mogradient.qp import gram_matrix
 
 NAME = "upgrad_scaling"
 KINDS = ("gaussian", "duplicates", "ill_conditioned", "rank_half")

@@ -16,7 +16,7 @@ Counted exactly (device-independent):
 * what gradient checkpointing keeps instead (the blocks' inputs, everything outside the
   blocks, and one block recomputed at a time);
 * the LoRA layers' inputs that the per-row gradient engine
-  (:class:`mogradient.row_gradients.RowGradients`) holds on solve steps, beyond those;
+  (:class:`mogradient.engines.RowGradients`) holds on solve steps, beyond those;
 * under FSDP2 (``model.shard: fsdp2``), the frozen transformer's shard per GPU plus the
   blocks all-gathered whole.
 
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from mogradient.sharding import default_blocks
+from mogradient.engines import default_blocks
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.model.families import Family, family_named
 from mogradient_diffusion.model.policy import LoraSpec
@@ -59,7 +59,7 @@ LORA_BYTES = 4
 # AdamW's two moments.
 LORA_COPIES = {"adapters (default, old)": 2, "EMA": 1, "gradient": 1, "Adam moments": 2}
 # A solve step holds the running K x D sum and the current piece's stack at once
-# (mogradient.gradients.accumulate_gradients).
+# (mogradient.engines.accumulate_gradients).
 STACK_COPIES = 2
 # The backward's working set beyond the saved tensors, as a fraction of the largest
 # block's saved bytes: the largest ratio measured on CPU over the scaled-down configs

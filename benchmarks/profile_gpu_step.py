@@ -65,11 +65,11 @@ from common import markdown_table
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from mogradient.engines import GradientEngine
 from mogradient_diffusion.objectives import TrainPiece
 from mogradient_diffusion.runs import metric_keys as keys
 from mogradient_diffusion.sampling.rollout import rollout
 from mogradient_diffusion.training.distributed import World
-from mogradient_diffusion.training.step_gradients import StepGradients
 from mogradient_diffusion.training.trainer import Trainer, TrainerCallback
 
 MARBLE = "marble_every_step"
@@ -110,7 +110,7 @@ MEMORY_BOUND_OPS = frozenset(
     "randn rand randn_like exponential floor_divide remainder round floor ceil softplus".split()
 )
 UNATTRIBUTED = "(device work outside any profiled op)"
-ENGINES = {"rows": "per-row engine", "batched": "K backward passes"}  # StepGradients.name
+ENGINES = {"rows": "per-row engine", "batched": "K backward passes"}  # GradientEngine.name
 
 
 # ------------------------------------------------------------------ categories
@@ -507,7 +507,7 @@ def warm_up(
     timer: StepTimer,
     capture: StepCapture,
     strategy: Any,
-    gradients: StepGradients | None,
+    gradients: GradientEngine | None,
 ) -> tuple[dict[str, Any], list[TrainPiece]]:
     """One real epoch of the row (rollout, rewards, one optimizer step): first-call costs
     paid. Returns its figures and its step, captured for replay."""
@@ -576,7 +576,7 @@ def profile_everything(run: Run, bench: argparse.Namespace, shape: Shape, tmp: P
             "the row (warm-up epoch, one unprofiled and one profiled step)",
             SAFETY * (warm_up_s + solve_s) + run.costs.profiled_call_s(solve_s),
         )
-        engine = StepGradients(trainer.policy.transformer, trainer.parameters, "auto", dtype)
+        engine = GradientEngine(trainer.policy.transformer, trainer.parameters, "auto", dtype)
         entry["warm_up"], step = warm_up(trainer, timer, capture, strategies[MARBLE], engine)
         run.write()
         # The warm-up step also checked the per-row engine against K backward passes (once

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from mogradient import UPGrad
 from mogradient.combinable import CombinableLoss
-from mogradient.row_gradients import RowGradients
+from mogradient.engines import RowGradients
+from mogradient.harmonizers import UPGrad
 
 
 def digit_batches(steps: int, batch: int = 32, seed: int = 0):

@@ -56,17 +56,17 @@ def train(steps: int, seed: int = 0) -> torch.Tensor:
     loader = digit_batches(steps, seed=seed)
     history = []
     # snippet start
-    from mogradient import UPGrad, objective_gradients, write_gradient
+    from mogradient import HarmonizedStep
+    from mogradient.harmonizers import UPGrad
 
-    harmonizer = UPGrad()  # or MGDA(), NashMTL(), IMTLG(), make_harmonizer("pcgrad"), ...
     shared = list(model.trunk.parameters())  # what every task uses
     heads = [p for head in model.heads for p in head.parameters()]
+    step = HarmonizedStep(shared, UPGrad())  # or MGDA(), NashMTL(), Amortizer(MGDA()), ...
     for images, targets in loader:
         optimizer.zero_grad()
         losses = task_losses(model(images), targets)  # K losses, one per task
-        jacobian = objective_gradients(losses, shared, retain_graph=True)  # K x D
-        losses.sum().backward(inputs=heads)  # each head: its own task's gradient
-        write_gradient(shared, harmonizer(jacobian).direction)
+        losses.sum().backward(inputs=heads, retain_graph=True)  # each head: its own task's
+        step.solve(losses)  # the trunk: K gradients, harmonized, into .grad
         optimizer.step()
         # snippet end
         history.append(losses.detach())

@@ -5,7 +5,8 @@
 Two regression targets pull the 2-unit bottleneck towards opposite mixtures of the same
 input directions and a classification target wants a third one, so the per-task
 gradients on the trunk conflict. The training loop in :func:`train` is the part to copy:
-per-task losses -> ``objective_gradients`` -> harmonizer -> ``write_gradient`` -> step.
+per-task losses -> ``HarmonizedStep.solve`` (per-task gradients, the harmonizer's weights,
+their sum into ``.grad``) -> step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from mogradient import make_harmonizer, objective_gradients, write_gradient
+from mogradient import Amortizer, CombinableLoss, HarmonizedStep, make_harmonizer
 from mogradient.plotting import plot_loss_curves
 
 TASKS = ("regression A", "regression B", "classification")
@@ -70,14 +71,14 @@ def train(harmonizer_name: str, steps: int, batch: int, seed: int = 0) -> torch.
     model = MultiTaskMLP()
     parameters = list(model.parameters())
     optimizer = torch.optim.Adam(parameters, lr=1e-2)
-    harmonizer = make_harmonizer(harmonizer_name)
+    # A fresh solve every step (period 1, no smoothing); period=10 would reuse the weights.
+    step = HarmonizedStep(parameters, Amortizer(make_harmonizer(harmonizer_name), 1, rho=0.0))
     history = []
     for _ in range(steps):
         rows = torch.randint(len(x), (batch,))
         losses = task_losses(model(x[rows]), [target[rows] for target in targets])
-        jacobian = objective_gradients(losses, parameters)  # 3 x D: one row per task
-        harmonization = harmonizer(jacobian)
-        write_gradient(parameters, harmonization.direction)
+        optimizer.zero_grad()
+        step.solve([(1.0, CombinableLoss.separate(losses))], len(TASKS), replay=None)
         optimizer.step()
         history.append(losses.detach())
     return torch.stack(history)

@@ -7,6 +7,6 @@ compositional) with GenEval-style metadata; ``vision`` finds the shapes in an im
 Importing the package registers the miniature's rewards.
 """
 
-from miniature import colour_rewards as colour_rewards
+from miniature import color_rewards as color_rewards
 from miniature import rewards as rewards
 from miniature import scorers as scorers

@@ -22,7 +22,7 @@ from functools import lru_cache
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from .world import SIGN_COLOUR, SIZE, Scene, render
+from .world import SIGN_COLOR, SIZE, Scene, render
 
 LETTERS = string.ascii_uppercase
 SHIFT = 2  # pixels the cells are searched over in each direction
@@ -56,7 +56,7 @@ def _templates(word: str) -> np.ndarray:
     for i, (start, stop) in enumerate(cells):
         centre = (start + stop) / 2
         for j, letter in enumerate(LETTERS):
-            image = render(Scene(background=SIGN_COLOUR, text=" "))
+            image = render(Scene(background=SIGN_COLOR, text=" "))
             ImageDraw.Draw(image).text(
                 (centre, SIZE / 2), letter, fill=(10, 10, 10), font=font, anchor="mm"
             )

@@ -21,7 +21,7 @@ HERE = Path(__file__).parent
 BASE_MODEL = HERE / "base_model"
 CONFIG = HERE / "config.yaml"
 # The training rewards, one per axis of the paper's mix: quality (PickScore), prompt
-# following (CLIPScore), text (OCR), counting and binding (GenEval). The dense colour
+# following (CLIPScore), text (OCR), counting and binding (GenEval). The dense color
 # rewards replaced mini_alignment, mini_count and mini_binding, which their own
 # specialists did not learn in this budget (learnability.md); those stay as held-out
 # metrics beside the strict ones.

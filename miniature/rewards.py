@@ -8,9 +8,9 @@ GenEval's 0.3 threshold with ``geneval_rules.select_objects`` and score them:
 * ``mini_count`` (tags ``counting`` and ``general``, whose one-object scenes have a
   count of one): the training reward, half rule and half blob term. The rule term is
   the mean over include entries of ``max(0, 1 - |found - asked| / asked)`` where
-  ``found`` counts kept detections of the entry's shape *and* colour (Flow-GRPO's count
+  ``found`` counts kept detections of the entry's shape *and* color (Flow-GRPO's count
   term, clamped per entry); the blob term is the same with ``found`` counting every
-  blob of the entry's colour, whatever its shape or detector score. A weak base model
+  blob of the entry's color, whatever its shape or detector score. A weak base model
   draws blobs long before it draws clean shapes: the rule term alone is 0 on most of
   its samples and on every sample of half its groups (no within-group signal).
 * ``mini_count_strict`` (``counting``): 1 if every entry's count is exact, else 0. Note
@@ -18,8 +18,8 @@ GenEval's 0.3 threshold with ``geneval_rules.select_objects`` and score them:
   this held-out metric does not: four squares for "three squares" fail here.
 * ``mini_binding`` (``color_attr``, ``position``, ``general``): the training reward,
   half ``geneval_rules.partial_score`` (Flow-GRPO's graded GenEval reward) and half a
-  blob term: per include entry, whether a blob of its colour is there, and for a
-  position entry whether the largest blobs of the two colours stand in the relation.
+  blob term: per include entry, whether a blob of its color is there, and for a
+  position entry whether the largest blobs of the two colors stand in the relation.
 * ``mini_binding_strict`` (``color_attr``, ``position``, ``counting``):
   ``geneval_rules.strict_correct``, GenEval's accuracy (the held-out metric).
 * ``mini_sign`` (``text``): the training reward of the text axis, how legibly a sign is
@@ -72,9 +72,9 @@ from .vision import detect_shapes_batch
 
 
 def count_found(objects: Objects, entry: Mapping[str, Any]) -> int:
-    """How many kept detections match an include entry's shape and (if given) colour."""
+    """How many kept detections match an include entry's shape and (if given) color."""
     return sum(
-        "color" not in entry or det.colour == entry["color"]
+        "color" not in entry or det.color == entry["color"]
         for det in objects.get(entry["class"], ())
     )
 
@@ -96,11 +96,11 @@ def count_exact(objects: Objects, metadata: Mapping[str, Any]) -> bool:
 
 
 def blob_count_score(blobs: list[Detection], metadata: Mapping[str, Any]) -> float:
-    """``count_score`` counting every blob of an entry's colour, whatever its shape."""
+    """``count_score`` counting every blob of an entry's color, whatever its shape."""
     terms = []
     for entry in metadata["include"]:
         asked = int(entry.get("count", 1))
-        found = sum(blob.colour == entry["color"] for blob in blobs)
+        found = sum(blob.color == entry["color"] for blob in blobs)
         terms.append(max(0.0, 1.0 - abs(found - asked) / asked))
     return sum(terms) / len(terms) if terms else 0.0
 
@@ -123,12 +123,12 @@ def _relation_holds(a: Detection, b: Detection, relation: str) -> bool:
 
 
 def blob_binding_score(blobs: list[Detection], metadata: Mapping[str, Any]) -> float:
-    """Per include entry: a blob of its colour is there; per position entry: the largest
-    blobs of the two colours stand in the relation. Mean of the terms, in [0, 1]."""
+    """Per include entry: a blob of its color is there; per position entry: the largest
+    blobs of the two colors stand in the relation. Mean of the terms, in [0, 1]."""
     entries = metadata["include"]
     largest: list[Detection | None] = []
     for entry in entries:
-        mine = [blob for blob in blobs if blob.colour == entry["color"]]
+        mine = [blob for blob in blobs if blob.color == entry["color"]]
         largest.append(max(mine, key=lambda blob: int(blob.mask.sum()), default=None))
     terms = [float(blob is not None) for blob in largest]
     for entry, blob in zip(entries, largest, strict=True):
@@ -184,7 +184,7 @@ class MiniShapeReward(Reward):
         self, objects: Objects, metadata: Mapping[str, Any], blobs: list[Detection]
     ) -> float:
         """The score of one applicable image from its kept detections, by class, and
-        every detected colour blob (before the score threshold)."""
+        every detected color blob (before the score threshold)."""
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
         scores = nan_scores(len(prompts))
@@ -203,7 +203,7 @@ class MiniShapeReward(Reward):
 
 @register_reward
 class MiniCount(MiniShapeReward):
-    """Graded count of colour-and-shape-matched objects on counting prompts (training)."""
+    """Graded count of color-and-shape-matched objects on counting prompts (training)."""
 
     name = "mini_count"
     tags = frozenset({"counting", "general"})
@@ -229,7 +229,7 @@ class MiniCountStrict(MiniShapeReward):
 
 @register_reward
 class MiniBinding(MiniShapeReward):
-    """Flow-GRPO's graded GenEval reward on colour-binding and position prompts."""
+    """Flow-GRPO's graded GenEval reward on color-binding and position prompts."""
 
     name = "mini_binding"
     tags = frozenset({"color_attr", "position", "general"})
@@ -242,7 +242,7 @@ class MiniBinding(MiniShapeReward):
 
 @register_reward
 class MiniBindingStrict(MiniShapeReward):
-    """GenEval's accuracy on colour, position and counting prompts (held-out metric)."""
+    """GenEval's accuracy on color, position and counting prompts (held-out metric)."""
 
     name = "mini_binding_strict"
     tags = frozenset({"color_attr", "position", "counting"})

@@ -133,9 +133,9 @@ def tokenize(prompts: list[str], vocab: list[str]) -> tuple[Tensor, Tensor]:
 class AlignmentNet(nn.Module):
     """Dual encoder: CNN over the image (+ x, y coordinate planes) and a GRU over words.
 
-    The coordinate planes let globally pooled features say *where* a colour or shape
+    The coordinate planes let globally pooled features say *where* a color or shape
     is, which spatial-relation prompts need; the GRU (not a bag of words) keeps word
-    order, which colour binding ("a red circle and a blue square") needs.
+    order, which color binding ("a red circle and a blue square") needs.
     """
 
     kind = "alignment"

@@ -8,7 +8,7 @@ The shipped checkpoints in ``miniature/weights/`` were made with::
 generated on the fly from the world, deterministically given the seed and thread count:
 
 - quality data: a render of a random prompt's scene with random degradations of known
-  severity s_k in [0, 1] (``DEGRADATIONS``: Gaussian blur, pixel noise, colour washout
+  severity s_k in [0, 1] (``DEGRADATIONS``: Gaussian blur, pixel noise, color washout
   and contrast loss, downscale-upscale blockiness, blotches and smears, partial erasure
   of the shapes or the sign's word), the kinds of damage a small diffusion model does.
   Target quality ``q = prod_k (1 - w_k s_k)`` (clean = 1): ``PREFERENCE_WEIGHTS`` for
@@ -90,7 +90,7 @@ def to_tensor(image: Image.Image) -> Tensor:
 def render_erased(scene: Scene, severity: float, rng: random.Random) -> Image.Image:
     """Render ``scene`` with a fraction ``severity`` of each shape (or of the word) cut away.
 
-    The cut is a band from a random side painted in the colour underneath, the way a
+    The cut is a band from a random side painted in the color underneath, the way a
     generator drops part of an object; at severity 1 about 90% of each is gone.
     """
     image = world.render(scene)
@@ -105,7 +105,7 @@ def render_erased(scene: Scene, severity: float, rng: random.Random) -> Image.Im
     fills = [scene.background] * len(boxes)
     if scene.text is not None:
         boxes.append((10.0, 22.0, 54.0, 42.0))
-        fills.append(world.SIGN_COLOUR)
+        fills.append(world.SIGN_COLOR)
     for (x0, y0, x1, y1), fill in zip(boxes, fills, strict=True):
         side = rng.randrange(4)
         if side == 0:
@@ -132,7 +132,7 @@ def _gaussian_blur(image: Tensor, sigma: float) -> Tensor:
 
 
 def _blotches(image: Tensor, severity: float, gen: torch.Generator) -> Tensor:
-    """Soft elliptical blobs; half take a colour from elsewhere in the image (smears)."""
+    """Soft elliptical blobs; half take a color from elsewhere in the image (smears)."""
     _, h, w = image.shape
     ys, xs = torch.meshgrid(
         torch.arange(h, dtype=image.dtype), torch.arange(w, dtype=image.dtype), indexing="ij"
@@ -148,10 +148,10 @@ def _blotches(image: Tensor, severity: float, gen: torch.Generator) -> Tensor:
         b = (-dx * math.sin(angle) + dy * math.cos(angle)) / ry
         alpha = (0.5 + 0.5 * severity) * torch.exp(-(a**2 + b**2))
         if u[5] < 0.5:
-            colour = torch.rand(3, generator=gen)
+            color = torch.rand(3, generator=gen)
         else:
-            colour = image[:, int(u[6] * h) % h, int(u[7] * w) % w].clone()
-        image = image * (1 - alpha) + colour[:, None, None] * alpha
+            color = image[:, int(u[6] * h) % h, int(u[7] * w) % w].clone()
+        image = image * (1 - alpha) + color[:, None, None] * alpha
     return image
 
 
@@ -253,7 +253,7 @@ def satisfies(scene: Scene, prompt: MiniPrompt) -> bool:
     wanted = world.STYLES[meta["style"]] if meta["tag"] == "general" else world.PLAIN_BACKGROUND
     if scene.background != wanted:
         return False
-    objects = sorted((s.shape, s.colour) for s in scene.shapes)
+    objects = sorted((s.shape, s.color) for s in scene.shapes)
     expected = sorted(
         (entry["class"], entry["color"]) for entry in meta["include"] for _ in range(entry["count"])
     )
@@ -277,21 +277,26 @@ def satisfies(scene: Scene, prompt: MiniPrompt) -> bool:
     return True
 
 
-def _find(scene: Scene, shape: str, colour: str) -> world.Shape:
-    return next(s for s in scene.shapes if s.shape == shape and s.colour == colour)
+def _find(scene: Scene, shape: str, color: str) -> world.Shape:
+    return next(s for s in scene.shapes if s.shape == shape and s.color == color)
 
 
 _OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
 
 
+# The kind whose color was changed, spelled as the committed weights/training_report.json
+# keys its win rates.
+COLOR_KIND = "colour"
+
+
 def mismatched_prompts(prompt: MiniPrompt, rng: random.Random) -> dict[str, str]:
     """Prompts that differ from ``prompt`` in one respect, keyed by what was changed.
 
-    Kinds: ``colour``, ``shape``, ``style``, ``count``, ``word``, ``binding`` (colours
+    Kinds: ``COLOR_KIND``, ``shape``, ``style``, ``count``, ``word``, ``binding`` (colors
     swapped between the two objects) and ``relation`` (the opposite relation).
     """
     meta = prompt.metadata
-    colours, shapes = list(world.COLOURS), list(world.SHAPES)
+    colors, shapes = list(world.COLORS), list(world.SHAPES)
 
     def other(options: Sequence[str], *taken: str) -> str:
         return rng.choice([o for o in options if o not in taken])
@@ -300,30 +305,30 @@ def mismatched_prompts(prompt: MiniPrompt, rng: random.Random) -> dict[str, str]
         return {"word": f'a sign that says "{other(world.WORDS, meta["text"])}"'}
     if meta["tag"] == "general":
         entry = meta["include"][0]
-        style, colour, shape = meta["style"], entry["color"], entry["class"]
+        style, color, shape = meta["style"], entry["color"], entry["class"]
         return {
-            "colour": f"a {style} scene with a {other(colours, colour)} {shape}",
-            "shape": f"a {style} scene with a {colour} {other(shapes, shape)}",
-            "style": f"a {other(list(world.STYLES), style)} scene with a {colour} {shape}",
+            COLOR_KIND: f"a {style} scene with a {other(colors, color)} {shape}",
+            "shape": f"a {style} scene with a {color} {other(shapes, shape)}",
+            "style": f"a {other(list(world.STYLES), style)} scene with a {color} {shape}",
         }
     if meta["tag"] == "counting":
         entry = meta["include"][0]
-        count, colour, shape = entry["count"], entry["color"], entry["class"]
+        count, color, shape = entry["count"], entry["color"], entry["class"]
 
         def counted(n: int, c: str, s: str) -> str:
             return f"{world.NUMBERS[n - 1]} {c} {s if n == 1 else s + 's'}"
 
         numbers = [n for n in range(1, len(world.NUMBERS) + 1) if n != count]
         return {
-            "count": counted(rng.choice(numbers), colour, shape),
-            "colour": counted(count, other(colours, colour), shape),
-            "shape": counted(count, colour, other(shapes, shape)),
+            "count": counted(rng.choice(numbers), color, shape),
+            COLOR_KIND: counted(count, other(colors, color), shape),
+            "shape": counted(count, color, other(shapes, shape)),
         }
     if meta["tag"] == "color_attr":
         first, second = meta["include"]
         a, ca, b, cb = first["class"], first["color"], second["class"], second["color"]
         return {
-            "colour": f"a {other(colours, ca, cb)} {a} and a {cb} {b}",
+            COLOR_KIND: f"a {other(colors, ca, cb)} {a} and a {cb} {b}",
             "shape": f"a {ca} {other(shapes, a, b)} and a {cb} {b}",
             "binding": f"a {cb} {a} and a {ca} {b}",
         }
@@ -331,7 +336,7 @@ def mismatched_prompts(prompt: MiniPrompt, rng: random.Random) -> dict[str, str]
     a, ca, b, cb = subject["class"], subject["color"], anchor["class"], anchor["color"]
     relation = subject["position"][0]
     return {
-        "colour": f"a {other(colours, ca, cb)} {a} {relation} a {cb} {b}",
+        COLOR_KIND: f"a {other(colors, ca, cb)} {a} {relation} a {cb} {b}",
         "shape": f"a {ca} {other(shapes, a, b)} {relation} a {cb} {b}",
         "relation": f"a {ca} {a} {_OPPOSITE[relation]} a {cb} {b}",
     }
@@ -462,7 +467,7 @@ def hard_negatives(prompt: MiniPrompt, rng: random.Random, k: int) -> list[str]:
     """``k`` one-edit mismatches of ``prompt`` (kinds cycled), each false for its scenes.
 
     A random batch almost never holds the prompt with the opposite relation or the
-    colours swapped (the world writes one relation per pair), so without these the
+    colors swapped (the world writes one relation per pair), so without these the
     contrastive loss never asks for binding, relations, or exact counts and words.
     """
     negatives: list[str] = []

@@ -1,20 +1,20 @@
-"""The miniature's object detector: coloured shapes found by rule, the GenEval detector analogue.
+"""The miniature's object detector: colored shapes found by rule, the GenEval detector analogue.
 
-GenEval runs Mask2Former and a CLIP colour classifier; the miniature world has five
-flat colours and three shapes, so a few lines of numpy do both jobs and the GenEval
+GenEval runs Mask2Former and a CLIP color classifier; the miniature world has five
+flat colors and three shapes, so a few lines of numpy do both jobs and the GenEval
 rules (``rewards.geneval_rules``) run unchanged on the result:
 
-1. Background: the median colour of the border pixels.
-2. Colour: every pixel is explained as a blend ``background + alpha * (colour -
-   background)`` of the background with each palette colour of ``world.COLOURS``; the
-   colour whose blend line passes closest wins if that distance is below
+1. Background: the median color of the border pixels.
+2. Color: every pixel is explained as a blend ``background + alpha * (color -
+   background)`` of the background with each palette color of ``world.COLORS``; the
+   color whose blend line passes closest wins if that distance is below
    ``max_residual`` and the pixel is mostly object (``alpha >= min_alpha``) and far
    enough from the background (``tolerance``). Unmixing against the background, rather
-   than taking the nearest palette colour, keeps blurred edges with their own object: a
+   than taking the nearest palette color, keeps blurred edges with their own object: a
    half-covered edge pixel of a blue square on white is nearer purple than blue, but it
-   lies on the white-blue line. White sign, black ink and in-between colours match no
+   lies on the white-blue line. White sign, black ink and in-between colors match no
    line and are ignored.
-3. Objects: 8-connected components of equally coloured pixels (a vectorised union-find
+3. Objects: 8-connected components of equally colored pixels (a vectorised union-find
    over the whole batch), dropping those under ``min_area`` pixels of a 64 px image
    (scaled with the resolution). Images larger than ``MAX_SIDE`` are area-downscaled
    first; boxes and masks come back at the input resolution.
@@ -27,10 +27,10 @@ rules (``rewards.geneval_rules``) run unchanged on the result:
    ``select_objects``).
 
 Where it is fooled (what an RL policy could exploit, or where it errs on honest images):
-it sees colour blobs, not objects, so two touching shapes of one colour are one
-(mis-shaped) object and a shape split by a stroke of another colour is two; any blob
+it sees color blobs, not objects, so two touching shapes of one color are one
+(mis-shaped) object and a shape split by a stroke of another color is two; any blob
 that fits a template counts, whatever it depicts (a yellow sun is a circle, a sign
-painted in a palette colour a square); shapes in off-palette colours,
+painted in a palette color a square); shapes in off-palette colors,
 outlines, textured or gradient backgrounds and shapes touching the border (which shift
 the background estimate) are missed or misread; rotated squares (diamonds) and
 apex-down triangles match no template well. It is a faithful judge of images like the
@@ -46,7 +46,7 @@ from PIL import Image
 
 from mogradient_diffusion.rewards.geneval_rules import Detection, mask_to_box
 
-from .world import COLOURS, SHAPES, SIZE
+from .world import COLORS, SHAPES, SIZE
 
 # Working resolution cap: the cost grows with the pixel count, and every shape the world
 # draws keeps > 100 px of area at 128 px.
@@ -130,8 +130,8 @@ def classify_shape(mask: np.ndarray) -> tuple[str, float, dict[str, float]]:
     return best, float(fit * separation), ious
 
 
-def background_colour(images: np.ndarray) -> np.ndarray:
-    """Median colour of the border pixels of [..., H, W, 3] images: [..., 3] float32, 0..255."""
+def background_color(images: np.ndarray) -> np.ndarray:
+    """Median color of the border pixels of [..., H, W, 3] images: [..., 3] float32, 0..255."""
     x = np.asarray(images, dtype=np.float32)
     border = np.concatenate(
         [x[..., 0, :, :], x[..., -1, :, :], x[..., 1:-1, 0, :], x[..., 1:-1, -1, :]], axis=-2
@@ -139,9 +139,9 @@ def background_colour(images: np.ndarray) -> np.ndarray:
     return np.median(border, axis=-2)
 
 
-def colour_map(
+def color_map(
     images: np.ndarray,
-    palette: Mapping[str, tuple[int, int, int]] = COLOURS,
+    palette: Mapping[str, tuple[int, int, int]] = COLORS,
     tolerance: float = 40.0,
     max_residual: float = 60.0,
     min_alpha: float = 0.5,
@@ -150,25 +150,25 @@ def colour_map(
     """Per pixel of [B, H, W, 3] images, the index into ``palette`` it shows, or -1.
 
     See the module doc. Distances are Euclidean in 0..255 RGB; ``max_alpha`` lets darker
-    or more saturated versions of a palette colour (past it on the blend line) count.
+    or more saturated versions of a palette color (past it on the blend line) count.
     """
     x = np.asarray(images, dtype=np.float32)
-    background = background_colour(x)  # [B, 3]
+    background = background_color(x)  # [B, 3]
     diff = x - background[:, None, None, :]  # [B, H, W, 3]
     distance2 = (diff**2).sum(axis=-1)
     classes = np.full(distance2.shape, -1, dtype=np.int64)
     where = np.nonzero(distance2 > tolerance**2)  # only foreground pixels go further
     if not where[0].size:
         return classes
-    colours = np.array(list(palette.values()), dtype=np.float32)
-    colours = colours[None] - background[:, None, :]  # [B, K, 3]
-    lengths = (colours**2).sum(axis=-1)  # [B, K]
-    pixel_colours, pixel_lengths = colours[where[0]], lengths[where[0]]  # [N, K, 3], [N, K]
-    dot = np.einsum("nc,nkc->nk", diff[where], pixel_colours)
+    colors = np.array(list(palette.values()), dtype=np.float32)
+    colors = colors[None] - background[:, None, :]  # [B, K, 3]
+    lengths = (colors**2).sum(axis=-1)  # [B, K]
+    pixel_colors, pixel_lengths = colors[where[0]], lengths[where[0]]  # [N, K, 3], [N, K]
+    dot = np.einsum("nc,nkc->nk", diff[where], pixel_colors)
     alpha = np.clip(dot / np.maximum(pixel_lengths, 1e-6), 0.0, max_alpha)
-    # |diff - alpha * colour|^2, expanded so no [N, K, 3] difference is materialised
+    # |diff - alpha * color|^2, expanded so no [N, K, 3] difference is materialised
     residual2 = distance2[where][:, None] - 2 * alpha * dot + alpha**2 * pixel_lengths
-    # a palette colour as close as the background is invisible on it
+    # a palette color as close as the background is invisible on it
     residual2 = np.where(pixel_lengths > tolerance**2, residual2, np.inf)
     index = residual2.argmin(axis=-1)
     rows = np.arange(index.size)
@@ -223,7 +223,7 @@ def detect_shapes_batch(
     max_residual: float = 60.0,
     min_alpha: float = 0.5,
     min_area: float = 12.0,
-    palette: Mapping[str, tuple[int, int, int]] = COLOURS,
+    palette: Mapping[str, tuple[int, int, int]] = COLORS,
 ) -> list[list[Detection]]:
     """``detect_shapes`` on every image of a [B, H, W, 3] uint8 batch (labelled together)."""
     images = np.asarray(images)
@@ -242,7 +242,7 @@ def detect_shapes_batch(
         work = images
     h, w = work.shape[1:3]
     names = list(palette)
-    classes = colour_map(work, palette, tolerance, max_residual, min_alpha)
+    classes = color_map(work, palette, tolerance, max_residual, min_alpha)
     labels = component_labels(classes)
     roots, counts = np.unique(labels[labels >= 0], return_counts=True)
     area_floor = min_area * (h * w) / (SIZE * SIZE)
@@ -253,7 +253,7 @@ def detect_shapes_batch(
         b = root // (h * w)
         mask = labels[b] == root
         label, score, _ = classify_shape(mask)
-        colour = names[int(classes.flat[root])]
+        color = names[int(classes.flat[root])]
         if scale < 1:
             mask = (
                 np.asarray(
@@ -265,7 +265,7 @@ def detect_shapes_batch(
             )
             if not mask.any():
                 continue
-        detections[b].append(Detection(label, score, mask_to_box(mask), mask, colour))
+        detections[b].append(Detection(label, score, mask_to_box(mask), mask, color))
     return detections
 
 
@@ -275,12 +275,12 @@ def detect_shapes(
     max_residual: float = 60.0,
     min_alpha: float = 0.5,
     min_area: float = 12.0,
-    palette: Mapping[str, tuple[int, int, int]] = COLOURS,
+    palette: Mapping[str, tuple[int, int, int]] = COLORS,
 ) -> list[Detection]:
-    """Coloured shapes in one [H, W, 3] uint8 image: label = shape, colour = colour name.
+    """Colored shapes in one [H, W, 3] uint8 image: label = shape, color = color name.
 
     ``tolerance``: least distance from the background (0..255 RGB); ``max_residual``:
-    most distance from a colour's blend line; ``min_alpha``: least share of a pixel the
+    most distance from a color's blend line; ``min_alpha``: least share of a pixel the
     object must cover; ``min_area``: least object area in pixels of a 64 px image. The
     detections are unfiltered: ``geneval_rules.select_objects`` applies the threshold.
     """

@@ -1,9 +1,9 @@
-"""The miniature world: flat scenes of coloured shapes, signs with words, styled backdrops.
+"""The miniature world: flat scenes of colored shapes, signs with words, styled backdrops.
 
 Four prompt sources mirror the paper's mixed prompt set: ``general`` (a styled scene
 with one object, the PickScore-prompt analogue), ``text`` (a sign showing a quoted
 word, the OCR analogue) and the GenEval analogue with GenEval-format metadata, split in
-``counting`` and ``binding`` (colour binding, spatial relations) so that with equal
+``counting`` and ``binding`` (color binding, spatial relations) so that with equal
 source weights each specialist reward gets a quarter of every batch rather than a
 sixth. Every prompt comes with
 a sampler of scenes that satisfy it, which gives the training data of the base model
@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 SIZE = 64
 SHAPES = ("circle", "square", "triangle")
-COLOURS: dict[str, tuple[int, int, int]] = {
+COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
     "green": (40, 160, 60),
     "blue": (40, 80, 220),
@@ -38,14 +38,14 @@ STYLES: dict[str, tuple[int, int, int]] = {
 WORDS = ("CAT", "DOG", "SUN", "BUS", "MAP", "HAT", "TOP", "BOX", "CUP", "KEY", "FOX", "JAM")
 NUMBERS = ("one", "two", "three", "four")
 RELATIONS = ("left of", "right of", "above", "below")
-SIGN_COLOUR = (255, 255, 255)
+SIGN_COLOR = (255, 255, 255)
 INK = (10, 10, 10)
 
 
 @dataclass(frozen=True)
 class Shape:
     shape: str
-    colour: str
+    color: str
     x: float  # centre, pixels
     y: float
     size: float  # side / diameter, pixels
@@ -82,7 +82,7 @@ def render(scene: Scene, size: int = SIZE) -> Image.Image:
 def _draw_shape(draw: ImageDraw.ImageDraw, item: Shape, scale: float) -> None:
     half = item.size * scale / 2
     x, y = item.x * scale, item.y * scale
-    fill = COLOURS[item.colour]
+    fill = COLORS[item.color]
     if item.shape == "circle":
         draw.ellipse((x - half, y - half, x + half, y + half), fill=fill)
     elif item.shape == "square":
@@ -92,7 +92,7 @@ def _draw_shape(draw: ImageDraw.ImageDraw, item: Shape, scale: float) -> None:
 
 
 def _draw_sign(draw: ImageDraw.ImageDraw, word: str, scale: float) -> None:
-    draw.rectangle((4 * scale, 16 * scale, 60 * scale, 48 * scale), fill=SIGN_COLOUR)
+    draw.rectangle((4 * scale, 16 * scale, 60 * scale, 48 * scale), fill=SIGN_COLOR)
     font = ImageFont.load_default(size=max(8, round(20 * scale)))
     draw.text((32 * scale, 32 * scale), word, fill=INK, font=font, anchor="mm")
 
@@ -101,15 +101,15 @@ def _draw_sign(draw: ImageDraw.ImageDraw, word: str, scale: float) -> None:
 
 
 def general_prompts() -> list[MiniPrompt]:
-    """A styled backdrop with one coloured shape: 4 styles x 5 colours x 3 shapes."""
+    """A styled backdrop with one colored shape: 4 styles x 5 colors x 3 shapes."""
     return [
         MiniPrompt(
-            f"a {style} scene with a {colour} {shape}",
+            f"a {style} scene with a {color} {shape}",
             "general",
-            {"tag": "general", "style": style, "include": [_entry(shape, 1, colour)]},
+            {"tag": "general", "style": style, "include": [_entry(shape, 1, color)]},
         )
         for style in STYLES
-        for colour in COLOURS
+        for color in COLORS
         for shape in SHAPES
     ]
 
@@ -123,24 +123,24 @@ def text_prompts() -> list[MiniPrompt]:
 
 
 def compositional_prompts() -> list[MiniPrompt]:
-    """Counting, colour binding and spatial relations, GenEval-style metadata."""
+    """Counting, color binding and spatial relations, GenEval-style metadata."""
     prompts = []
     for count, number in enumerate(NUMBERS, start=1):
-        for colour in COLOURS:
+        for color in COLORS:
             for shape in SHAPES:
                 noun = shape if count == 1 else shape + "s"
                 prompts.append(
                     MiniPrompt(
-                        f"{number} {colour} {noun}",
+                        f"{number} {color} {noun}",
                         "counting",
-                        {"tag": "counting", "include": [_entry(shape, count, colour)]},
+                        {"tag": "counting", "include": [_entry(shape, count, color)]},
                     )
                 )
     pairs = [(a, b) for a in SHAPES for b in SHAPES if a != b]
-    colour_names = list(COLOURS)
+    color_names = list(COLORS)
     for i, (a, b) in enumerate(pairs):
-        for j, ca in enumerate(colour_names):
-            cb = colour_names[(j + 1 + i % 4) % len(colour_names)]  # never colour a
+        for j, ca in enumerate(color_names):
+            cb = color_names[(j + 1 + i % 4) % len(color_names)]  # never color a
             prompts.append(
                 MiniPrompt(
                     f"a {ca} {a} and a {cb} {b}",
@@ -198,8 +198,8 @@ def vocabulary() -> tuple[str, ...]:
     return tuple(sorted(words))
 
 
-def _entry(shape: str, count: int, colour: str) -> dict[str, Any]:
-    return {"class": shape, "count": count, "color": colour}
+def _entry(shape: str, count: int, color: str) -> dict[str, Any]:
+    return {"class": shape, "count": count, "color": color}
 
 
 # --- scenes that satisfy a prompt ---------------------------------------------------------

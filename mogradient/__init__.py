@@ -1,141 +1,54 @@
 """mogradient: exact multi-objective gradient harmonization for PyTorch.
 
-The public API is what this module exports, plus the public modules' own names
-(``mogradient.row_gradients``, ``mogradient.distributed``, ...). Modules whose names
-start with an underscore (the Gram, the QP solvers) are internal and may change.
+The top level is what a training loop uses; everything else is one subpackage away:
+
+- :mod:`mogradient.harmonizers`: every harmonizer (``MGDA``, ``PCGrad``, ``UPGrad``, ...),
+  by class or by name (``make_harmonizer``, ``HARMONIZERS``);
+- :mod:`mogradient.scalarizations`: loss weightings (``FAMO``, ``UW``, ...);
+- :mod:`mogradient.engines`: the K x D stack of per-objective gradients (per-row, batched,
+  DDP, FSDP2) and writing a direction into ``.grad``;
+- :mod:`mogradient.qp`: the exact QP solvers and the robust Gram;
+- :mod:`mogradient.registry`: the registry every extension point uses;
+- :mod:`mogradient.plotting`: pictures of conflict, weights and losses (needs matplotlib).
+
+Modules whose names start with an underscore are internal and may change.
 """
 
-from mogradient._gram import CosineGram, gram_matrix
-from mogradient._qp import SimplexQPSolution, solve_simplex_qp
-from mogradient._qp_cone import ConeQPSolution, solve_cone_qp
+from mogradient import engines, harmonizers, qp, registry, scalarizations
 from mogradient.amortize import AmortizedStep, Amortizer
-from mogradient.combinable import CombinableLoss, masked_mean_coefficients
+from mogradient.combinable import CombinableLoss, RowValues, masked_mean_coefficients
 from mogradient.diagnostics import ConflictAccumulator, conflict_diagnostics
-from mogradient.ema import WeightEMA
+from mogradient.engines import mtl_backward
 from mogradient.errors import SolverError, UnusedParameterError
-from mogradient.gradients import (
-    combinable_gradients,
-    flat_gradient,
-    objective_gradients,
-    select_parameters,
-    write_gradient,
-)
-from mogradient.harmonizers import (
-    CRMOGM,
-    HARMONIZERS,
-    IMTLG,
-    MGDA,
-    PCD,
-    AlignedMTL,
-    CAGrad,
-    ConFIG,
-    DualProj,
-    ExcessMTL,
-    FairGrad,
-    FixedWeights,
-    GradDrop,
-    GradVac,
-    Harmonization,
-    Harmonizer,
-    Krum,
-    Mean,
-    MoDo,
-    NashMTL,
-    PCGrad,
-    RandomWeights,
-    RewardDropout,
-    SDMGrad,
-    TrimmedMean,
-    UPGrad,
-    WeighResult,
-    make_harmonizer,
-)
-from mogradient.representation import mtl_backward
-from mogradient.scalarizations import (
-    COSMOS,
-    DBMTL,
-    DWA,
-    FAMO,
-    GLS,
-    IMTL,
-    IMTLL,
-    PBI,
-    SCALARIZATIONS,
-    STCH,
-    UW,
-    GradNorm,
-    MoCo,
-    Scalarization,
-    ScalarizedLoss,
-    make_scalarization,
-)
+from mogradient.harmonizers import HARMONIZERS, Harmonization, Harmonizer, make_harmonizer
+from mogradient.scalarizations import SCALARIZATIONS, Scalarization, make_scalarization
+from mogradient.step import HarmonizedStep, StepReport
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "COSMOS",
-    "CRMOGM",
-    "DBMTL",
-    "DWA",
-    "FAMO",
-    "GLS",
     "HARMONIZERS",
-    "IMTL",
-    "IMTLG",
-    "IMTLL",
-    "MGDA",
-    "PBI",
-    "PCD",
     "SCALARIZATIONS",
-    "STCH",
-    "UW",
-    "AlignedMTL",
     "AmortizedStep",
     "Amortizer",
-    "CAGrad",
     "CombinableLoss",
-    "ConFIG",
-    "ConeQPSolution",
     "ConflictAccumulator",
-    "CosineGram",
-    "DualProj",
-    "ExcessMTL",
-    "FairGrad",
-    "FixedWeights",
-    "GradDrop",
-    "GradNorm",
-    "GradVac",
     "Harmonization",
+    "HarmonizedStep",
     "Harmonizer",
-    "Krum",
-    "Mean",
-    "MoCo",
-    "MoDo",
-    "NashMTL",
-    "PCGrad",
-    "RandomWeights",
-    "RewardDropout",
-    "SDMGrad",
+    "RowValues",
     "Scalarization",
-    "ScalarizedLoss",
-    "SimplexQPSolution",
     "SolverError",
-    "TrimmedMean",
-    "UPGrad",
+    "StepReport",
     "UnusedParameterError",
-    "WeighResult",
-    "WeightEMA",
-    "combinable_gradients",
     "conflict_diagnostics",
-    "flat_gradient",
-    "gram_matrix",
+    "engines",
+    "harmonizers",
     "make_harmonizer",
     "make_scalarization",
     "masked_mean_coefficients",
     "mtl_backward",
-    "objective_gradients",
-    "select_parameters",
-    "solve_cone_qp",
-    "solve_simplex_qp",
-    "write_gradient",
+    "qp",
+    "registry",
+    "scalarizations",
 ]

@@ -422,5 +422,5 @@ def _invalid(problem: str) -> None:
         f"invalid Gram matrix: {problem}. A Gram matrix is J @ J.T for the K x D stack J of "
         "per-objective gradients: symmetric positive semidefinite, and finite wherever both "
         "squared norms are. Pass the stack itself, or compute the Gram with "
-        "mogradient.gram_matrix(J)."
+        "mogradient.qp.gram_matrix(J)."
     )

@@ -14,7 +14,7 @@ import torch
 
 from mogradient.ema import WeightEMA
 from mogradient.errors import SolverError
-from mogradient.harmonizers.base import Harmonization, Harmonizer, validated_flag
+from mogradient.harmonizers._base import Harmonization, Harmonizer, validated_flag
 
 logger = logging.getLogger("mogradient.amortize")
 

@@ -14,7 +14,7 @@ already folded into C. Terms outside the harmonization (a KL penalty) go in ``ex
 Terms must be finite: a NaN term poisons every combination, even with zero weight.
 
 A loss may also say where it meets the network row by row (:class:`RowValues`): then
-:mod:`mogradient.row_gradients` gets all K gradients from one backward per row value
+:mod:`mogradient.engines._rows` gets all K gradients from one backward per row value
 instead of one per objective.
 """
 
@@ -94,6 +94,16 @@ class CombinableLoss:
         terms = losses.unsqueeze(0)
         eye = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
         return cls(terms, eye.unsqueeze(1), rows=RowValues(terms))
+
+    @classmethod
+    def separate(cls, losses: torch.Tensor) -> CombinableLoss:
+        """K losses with nothing declared in common (K scalar task losses): term k is L_k
+        and objective k's coefficient is 1 on it, so ``combined(w)`` is sum_k w_k L_k and
+        the K gradients take K backward passes."""
+        if losses.ndim != 1:
+            raise ValueError(f"losses must have shape (K,), got {tuple(losses.shape)}")
+        eye = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
+        return cls(losses.unsqueeze(1), eye.unsqueeze(2))
 
     @property
     def num_objectives(self) -> int:

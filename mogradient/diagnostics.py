@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mogradient.harmonizers.base import combine
+from mogradient.harmonizers._base import combine
 
 # Cosines are rounded quantities: an objective is anti-aligned only when its cosine is
 # below minus the step's round-off bound, and never for cos >= -1e-6.

@@ -11,6 +11,7 @@ registrations then join the built-in ones.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import re
@@ -114,6 +115,16 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Undo every registration made inside the block on leaving it (for tests and
+        examples that register throwaway entries in a process that goes on)."""
+        entries, aliases = dict(self._entries), dict(self._aliases)
+        try:
+            yield
+        finally:
+            self._entries, self._aliases = entries, aliases
 
     def aliases(self) -> dict[str, str]:
         """Old spelling -> canonical name."""

@@ -13,22 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from mogradient import (
-    MGDA,
-    Amortizer,
-    CombinableLoss,
-    FixedWeights,
-    Harmonizer,
-    Mean,
-    NashMTL,
-    RewardDropout,
-    combinable_gradients,
-    masked_mean_coefficients,
-    objective_gradients,
-)
+from mogradient import Amortizer, CombinableLoss, Harmonizer, masked_mean_coefficients
 from mogradient.amortize import cancellation_ratio
+from mogradient.engines import combinable_gradients, objective_gradients
 from mogradient.errors import SolverError
-from mogradient.harmonizers.base import WeighResult
+from mogradient.harmonizers import MGDA, FixedWeights, Mean, NashMTL, RewardDropout, WeighResult
 
 A_MAX = 1.0
 
@@ -151,7 +140,7 @@ def test_smoothing_never_revives_a_nan_gradient() -> None:
     jacobian[1] = float("nan")
     step = amortizer.full_step(jacobian)
     assert step.weights[1] == 0 and step.weights[[0, 2]].gt(0).all()
-    from mogradient.harmonizers.base import combine
+    from mogradient.harmonizers import combine
 
     assert torch.isfinite(combine(jacobian, step.weights)).all()
 

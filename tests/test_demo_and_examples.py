@@ -107,7 +107,7 @@ def test_instance_wise_gram_example_learns_and_its_gram_is_the_per_sample_one() 
     from torch.nn import functional
 
     from mogradient.combinable import CombinableLoss
-    from mogradient.row_gradients import RowGradients
+    from mogradient.engines import RowGradients
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).double()

@@ -12,13 +12,14 @@ import pytest
 import torch
 from logical_accelerator import ACCELERATOR, logical_accelerator
 
-from mogradient import CombinableLoss, combinable_gradients, masked_mean_coefficients
+from mogradient import CombinableLoss, masked_mean_coefficients
+from mogradient.engines import combinable_gradients
 from mogradient.harmonizers import HARMONIZERS, make_harmonizer
 
 OPTIONS = {
-    "crmogm": {"inner": "mgda"},
+    "cr_mogm": {"inner": "mgda"},
     "fixed": {"weights": [1.0, 2.0, 0.5, 1.0]},
-    **{name: {"seed": 0} for name in ("pcgrad", "rlw", "gradvac", "graddrop")},
+    **{name: {"seed": 0} for name in ("pcgrad", "rlw", "grad_vac", "grad_drop")},
 }
 
 

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from mogradient import MGDA, ConflictAccumulator, FixedWeights, conflict_diagnostics
+from mogradient import ConflictAccumulator, conflict_diagnostics
+from mogradient.harmonizers import MGDA, FixedWeights
 
 
 def test_cosines_match_direct_computation() -> None:

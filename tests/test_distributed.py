@@ -12,16 +12,16 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mogradient import (
-    MGDA,
-    CombinableLoss,
-    TrimmedMean,
+from mogradient import CombinableLoss
+from mogradient.combinable import RowValues
+from mogradient.engines import (
+    RowGradients,
     combinable_gradients,
+    distributed_objective_gradients,
     objective_gradients,
 )
-from mogradient.combinable import RowValues
-from mogradient.distributed import apply_harmonized, apply_weights, distributed_objective_gradients
-from mogradient.row_gradients import RowGradients
+from mogradient.harmonizers import MGDA, TrimmedMean
+from mogradient.step import apply_harmonized, apply_weights
 
 WORLD_SIZE = 2
 

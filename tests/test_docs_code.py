@@ -18,6 +18,7 @@ by a python block, fails too (docs/development.md describes the convention).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import textwrap
@@ -73,6 +74,18 @@ def _blocks(page: Path) -> list[Block]:
 BLOCKS = [block for page in PAGES for block in _blocks(page)]
 
 
+def _registries() -> list:
+    """Every registry a docs block may add to (Extending registers throwaway entries)."""
+    from mogradient import HARMONIZERS, SCALARIZATIONS
+    from mogradient_diffusion.evaluation.evaluate import PROMPT_SETS
+    from mogradient_diffusion.model.families import FAMILIES
+    from mogradient_diffusion.objectives import OBJECTIVES
+    from mogradient_diffusion.rewards import REWARDS
+    from mogradient_diffusion.strategies import STRATEGIES
+
+    return [HARMONIZERS, SCALARIZATIONS, PROMPT_SETS, FAMILIES, OBJECTIVES, REWARDS, STRATEGIES]
+
+
 def test_the_pages_have_python_blocks_and_every_marker_names_a_reason() -> None:
     assert len(BLOCKS) >= 5, [block.name for block in BLOCKS]
     for page in PAGES:
@@ -95,11 +108,15 @@ def test_code_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Monke
         pytest.skip(f"not-run: {block.not_run}")
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__docs__", "__file__": str(tmp_path / "block.py")}
-    code = compile(block.source, block.name, "exec")
+    # dont_inherit: the block runs as a user runs it, without this file's __future__ imports
+    code = compile(block.source, block.name, "exec", dont_inherit=True)
     threads = torch.get_num_threads()
     generator_state = torch.random.get_rng_state()
     try:
-        exec(code, namespace)
+        with contextlib.ExitStack() as registrations:  # a block's registrations end with it
+            for registry in _registries():
+                registrations.enter_context(registry.restored())
+            exec(code, namespace)
     finally:
         torch.set_num_threads(threads)
         torch.random.set_rng_state(generator_state)

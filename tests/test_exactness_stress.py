@@ -245,7 +245,7 @@ def check_against_definition(name: str, jacobian: torch.Tensor, **options: objec
 @pytest.mark.parametrize("kind", NEAR_SINGULAR_KINDS)
 @pytest.mark.parametrize("count", [2, 3, 5, 8, 16])
 @pytest.mark.parametrize("noise", [1e-4, 1e-7])
-@pytest.mark.parametrize("name", ["upgrad", "dualproj"])
+@pytest.mark.parametrize("name", ["upgrad", "dual_proj"])
 def test_dual_cone_methods_match_definition_on_near_singular_stacks(
     name: str, noise: float, kind: str, count: int
 ) -> None:
@@ -259,7 +259,7 @@ def test_dual_cone_methods_match_definition_on_near_singular_stacks(
 
 @pytest.mark.parametrize("kind", NEAR_SINGULAR_KINDS)
 @pytest.mark.parametrize("count", [2, 3, 5, 8])
-@pytest.mark.parametrize("name", ["upgrad", "dualproj"])
+@pytest.mark.parametrize("name", ["upgrad", "dual_proj"])
 def test_gram_only_solve_is_exact_where_the_gram_resolves_it(
     kind: str, count: int, name: str
 ) -> None:
@@ -274,7 +274,7 @@ def test_gram_only_solve_is_exact_where_the_gram_resolves_it(
         assert result.kkt_residual < max(1e-9, allowed)
 
 
-@pytest.mark.parametrize("name", ["upgrad", "dualproj"])
+@pytest.mark.parametrize("name", ["upgrad", "dual_proj"])
 @pytest.mark.parametrize("count", [3, 5, 8])
 def test_dual_cone_methods_at_wide_spread(name: str, count: int) -> None:
     reference_of = upgrad_reference if name == "upgrad" else dualproj_reference
@@ -293,11 +293,11 @@ def test_dual_cone_methods_at_wide_spread(name: str, count: int) -> None:
 
 # --- every other Gram-based harmonizer ------------------------------------------------
 
-OTHER_METHODS = ("cagrad", "nashmtl", "imtlg", "alignedmtl", "gradvac", "pcgrad", "mean", "rlw")
+OTHER_METHODS = ("cagrad", "nash_mtl", "imtl_g", "aligned_mtl", "grad_vac", "pcgrad", "mean", "rlw")
 
 
 def build(name: str) -> object:
-    seeded = {"gradvac", "pcgrad", "rlw"}
+    seeded = {"grad_vac", "pcgrad", "rlw"}
     return make_harmonizer(name, seed=0) if name in seeded else make_harmonizer(name)
 
 
@@ -362,7 +362,7 @@ def test_imtlg_equal_projections_at_wide_spread(count: int) -> None:
     """IMTL-G's defining property: d has the same projection on every unit gradient."""
     for seed in range(3):
         jacobian = spread_stack(seed, count, 12, (-16.0, 16.0))
-        direction = make_harmonizer("imtlg")(jacobian).direction.numpy()
+        direction = make_harmonizer("imtl_g")(jacobian).direction.numpy()
         projections = unit_rows(jacobian.numpy()) @ direction
         assert np.ptp(projections) <= 1e-9 * float(np.abs(projections).max())
 
@@ -372,7 +372,7 @@ def test_nashmtl_bargaining_equation_at_wide_spread(count: int) -> None:
     """Nash-MTL (unclipped): alpha_k (g_k . d) = 1 for every objective."""
     for seed in range(3):
         jacobian = spread_stack(seed, count, 12, (-6.0, 6.0))
-        result = make_harmonizer("nashmtl", max_norm=0.0)(jacobian)
+        result = make_harmonizer("nash_mtl", max_norm=0.0)(jacobian)
         if result.fallback is not None:
             continue
         products = (jacobian @ result.direction) * result.weights

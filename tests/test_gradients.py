@@ -7,8 +7,9 @@ import torch
 from tolerances import reduction_atol
 from torch import nn
 
-from mogradient import (
-    CombinableLoss,
+from mogradient import CombinableLoss
+from mogradient.engines import (
+    accumulate_gradients,
     combinable_gradients,
     flat_gradient,
     objective_gradients,
@@ -16,7 +17,6 @@ from mogradient import (
     write_gradient,
 )
 from mogradient.errors import UnusedParameterError
-from mogradient.gradients import accumulate_gradients
 
 
 def _model_and_losses() -> tuple[nn.Module, list[torch.Tensor]]:
@@ -261,7 +261,7 @@ def test_accumulate_gradients_of_an_empty_stream() -> None:
 
 
 def test_flat_gradient_concatenates_grads_with_zeros_for_missing_ones():
-    from mogradient import flat_gradient
+    from mogradient.engines import flat_gradient
 
     a, b = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(3))
     a.grad = torch.arange(4.0).view(2, 2)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from mogradient import MGDA
 from mogradient._external_qp import TIGHT_QPSOLVERS_OPTIONS
 from mogradient._qp import simplex_kkt_residual, solve_simplex_qp, solve_simplex_qp_factored
+from mogradient.harmonizers import MGDA
 
 cp = pytest.importorskip("cvxpy")
 qpsolvers = pytest.importorskip("qpsolvers")

@@ -2,15 +2,15 @@
 thirteen, and the loss-based table, run and agree where the implementations compute the
 same thing up to documented guards.
 
-Tolerances (as in tests/test_harmonizers_torchjd_parity.py): on a float32 stack both sides
+Tolerances (as in tests/harmonizers/, each method's TorchJD parity): on a float32 stack both sides
 see the same values; a backward-stable float32 solve on the K x D stack is off by at most
 ~D u32 relative (u32 = 2^-24), amplified by the condition number kappa of the unit rows,
 and by kappa^2 where TorchJD works on the float32 Gram: we allow 2 D u32 kappa^p. PCD's
-normal equations on the normalized Gram: 64 K u32 kappa^2 (tests/test_harmonizer_pcd.py,
+normal equations on the normalized Gram: 64 K u32 kappa^2 (tests/harmonizers/test_pcd.py,
 at the first step's norm spread of ~1). GradDrop sums in float64 on both sides and rounds
 once to float32, and Krum copies a row: u32. TrimmedMean: two orders of a K-term sum. The
 loss table is float64 throughout: each effective weight is a few dozen operations per step
-(64 ulps, as tests/test_scalarizations.py counts them), carried over the steps and through
+(64 ulps, as tests/scalarizations/helpers.py counts them), carried over the steps and through
 the least-squares recovery of w from J^T w (kappa(J)).
 """
 
@@ -82,7 +82,7 @@ def tolerance(implementation: str, stack: torch.Tensor) -> float:
     if "TrimmedMean" in implementation:
         # Means of at most K float32 values: two summation orders differ by at most
         # 2 K u32 sum_k |g_kj| in each coordinate.
-        direction = mg.TrimmedMean(1)(stack).direction.double()
+        direction = mg.harmonizers.TrimmedMean(1)(stack).direction.double()
         return 2 * count * U32 * float(stack.double().abs().sum(dim=0).norm() / direction.norm())
     if "PCD" in implementation and "float64" not in implementation:
         return 64 * count * U32 * kappa**2

@@ -95,3 +95,12 @@ def test_a_missing_user_module_says_how_to_make_it_importable() -> None:
     with pytest.raises(ModuleNotFoundError, match=r"PYTHONPATH=\.") as caught:
         import_user_modules(["my_rewards_that_do_not_exist"], "reward_modules")
     assert "reward_modules: cannot import 'my_rewards_that_do_not_exist'" in str(caught.value)
+
+
+def test_registrations_inside_restored_are_undone() -> None:
+    registry: Registry[type] = Registry("widget")
+    registry.add("big_widget", Widget)
+    with registry.restored():
+        registry.add("throwaway", object, aliases=["thrown"])
+        assert "thrown" in registry
+    assert list(registry) == ["big_widget"] and "thrown" not in registry

@@ -1,4 +1,4 @@
-"""mogradient.representation.mtl_backward: heads get their own gradients, the trunk a
+"""mogradient.engines.mtl_backward: heads get their own gradients, the trunk a
 harmonized one, checked against independently computed Jacobians and against TorchJD.
 
 The model is a float64 trunk (two tanh layers) and K heads with different losses. The
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import mogradient as mg
+from mogradient.engines import mtl_backward
 from mogradient.errors import UnusedParameterError
-from mogradient.representation import mtl_backward
 
 RELATIVE = 1e-12
 NUM_TASKS = 3
@@ -85,12 +85,12 @@ def assert_relative(actual: torch.Tensor, expected: torch.Tensor, relative: floa
 
 
 HARMONIZERS: dict[str, Callable[[], mg.Harmonizer]] = {
-    "UPGrad": mg.UPGrad,
-    "MGDA": lambda: mg.MGDA(normalize=False),
-    "MGDA-NR": mg.MGDA,
-    "PCGrad": lambda: mg.PCGrad(seed=3),
-    "CAGrad": mg.CAGrad,
-    "Mean": mg.Mean,
+    "UPGrad": mg.harmonizers.UPGrad,
+    "MGDA": lambda: mg.harmonizers.MGDA(normalize=False),
+    "MGDA-NR": mg.harmonizers.MGDA,
+    "PCGrad": lambda: mg.harmonizers.PCGrad(seed=3),
+    "CAGrad": mg.harmonizers.CAGrad,
+    "Mean": mg.harmonizers.Mean,
 }
 
 
@@ -127,11 +127,11 @@ def test_inferred_parameters_and_accumulation() -> None:
     """Without parameter lists the graph gives the same split; a second call adds to .grad."""
     model, batch = Net(), make_batch()
     features, losses = forward(model, batch)
-    expected = mg.UPGrad()(jacobian(losses, model.shared())).direction
-    mtl_backward(losses, features, mg.UPGrad(), retain_graph=True)
+    expected = mg.harmonizers.UPGrad()(jacobian(losses, model.shared())).direction
+    mtl_backward(losses, features, mg.harmonizers.UPGrad(), retain_graph=True)
     first = [parameter.grad.clone() for parameter in model.parameters()]
     assert_relative(grads_of(model.shared()), expected, RELATIVE)
-    mtl_backward(losses, features, mg.UPGrad())
+    mtl_backward(losses, features, mg.harmonizers.UPGrad())
     for parameter, before in zip(model.parameters(), first, strict=True):
         assert_relative(parameter.grad, 2 * before, RELATIVE)
 
@@ -142,12 +142,16 @@ def test_features_mode_is_mgda_ub(normalize: bool) -> None:
     model, batch = Net(), make_batch()
     features, losses = forward(model, batch)
     on_features = jacobian(losses, [features])
-    expected = mg.MGDA(normalize=normalize)(on_features)
-    trunk_mgda = mg.MGDA(normalize=normalize)(jacobian(losses, model.shared()))
+    expected = mg.harmonizers.MGDA(normalize=normalize)(on_features)
+    trunk_mgda = mg.harmonizers.MGDA(normalize=normalize)(jacobian(losses, model.shared()))
     own = [jacobian([loss], model.head(task))[0] for task, loss in enumerate(losses)]
 
     result = mtl_backward(
-        losses, features, mg.MGDA(normalize=normalize), mode="features", retain_graph=True
+        losses,
+        features,
+        mg.harmonizers.MGDA(normalize=normalize),
+        mode="features",
+        retain_graph=True,
     )
 
     assert_relative(result.weights, expected.weights, RELATIVE)
@@ -186,10 +190,12 @@ def test_parameters_shared_after_the_features_join_the_trunk() -> None:
     model, batch = SharedAfterFeatures(), make_batch()
     shared = [*model.shared(), model.scale]
     features, losses = forward(model, batch)
-    expected = mg.UPGrad()(jacobian(losses, shared)).direction
+    expected = mg.harmonizers.UPGrad()(jacobian(losses, shared)).direction
     own = [jacobian([loss], model.head(task))[0] for task, loss in enumerate(losses)]
 
-    mtl_backward(losses, features, mg.UPGrad())  # inferred: scale and the tied weight shared
+    mtl_backward(
+        losses, features, mg.harmonizers.UPGrad()
+    )  # inferred: scale and the tied weight shared
 
     assert_relative(grads_of(shared), expected, RELATIVE)
     for task in range(NUM_TASKS):
@@ -200,7 +206,7 @@ def test_parameters_shared_after_the_features_join_the_trunk() -> None:
         mtl_backward(
             losses,
             features,
-            mg.UPGrad(),
+            mg.harmonizers.UPGrad(),
             shared_parameters=model.shared(),
             head_parameters=[[*model.head(0), model.scale], model.head(1), model.head(2)],
         )
@@ -213,15 +219,17 @@ def test_several_feature_tensors() -> None:
     features, side = model.trunk[3](model.trunk[2](hidden)), hidden.square()
     losses = model.losses(features, batch)
     losses[0] = losses[0] + side.mean()  # task 0 also reads the side output
-    expected = mg.UPGrad()(jacobian(losses, model.shared())).direction
+    expected = mg.harmonizers.UPGrad()(jacobian(losses, model.shared())).direction
 
-    mtl_backward(losses, [features, side], mg.UPGrad(), shared_parameters=model.shared())
+    mtl_backward(
+        losses, [features, side], mg.harmonizers.UPGrad(), shared_parameters=model.shared()
+    )
 
     assert_relative(grads_of(model.shared()), expected, RELATIVE)
 
     losses = model.losses(features, batch)
     with pytest.raises(ValueError, match="features 0 are computed from features 1"):
-        mtl_backward(losses, [features, hidden], mg.UPGrad())
+        mtl_backward(losses, [features, hidden], mg.harmonizers.UPGrad())
 
 
 # --- against TorchJD 0.18 ------------------------------------------------------------
@@ -243,9 +251,12 @@ def torchjd_pair(name: str) -> tuple[mg.Harmonizer, object]:
     linalg = pytest.importorskip("torchjd._linalg")
     exact = linalg.QuadprogProjector(norm_eps=0.0, reg_eps=0.0)
     return {
-        "UPGrad exact": (mg.UPGrad(), aggregation.UPGrad(projector=exact)),
-        "UPGrad default": (mg.UPGrad(reg_eps=1e-4), aggregation.UPGrad()),
-        "MGDA": (mg.MGDA(normalize=False), aggregation.MGDA(epsilon=1e-9, max_iters=10_000)),
+        "UPGrad exact": (mg.harmonizers.UPGrad(), aggregation.UPGrad(projector=exact)),
+        "UPGrad default": (mg.harmonizers.UPGrad(reg_eps=1e-4), aggregation.UPGrad()),
+        "MGDA": (
+            mg.harmonizers.MGDA(normalize=False),
+            aggregation.MGDA(epsilon=1e-9, max_iters=10_000),
+        ),
     }[name]
 
 
@@ -314,7 +325,7 @@ def test_errors_are_clear_and_write_nothing() -> None:
     ]
     for (bad_losses, bad_features), error, message in cases:
         with pytest.raises(error, match=message):
-            mtl_backward(bad_losses, bad_features, mg.UPGrad())
+            mtl_backward(bad_losses, bad_features, mg.harmonizers.UPGrad())
     options = [
         ({"mode": "representation"}, "unknown mode"),
         ({"method": "parallel"}, "unknown gradient method"),
@@ -338,16 +349,20 @@ def test_errors_are_clear_and_write_nothing() -> None:
     ]
     for keywords, message in options:
         with pytest.raises(ValueError, match=message):
-            mtl_backward(losses, features, mg.UPGrad(), **keywords)
+            mtl_backward(losses, features, mg.harmonizers.UPGrad(), **keywords)
     stray = nn.Parameter(torch.ones(2, dtype=torch.float64))
     with pytest.raises(UnusedParameterError, match=r"shared parameter 4 .* not in the graph"):
-        mtl_backward(losses, features, mg.UPGrad(), shared_parameters=[*model.shared(), stray])
+        mtl_backward(
+            losses, features, mg.harmonizers.UPGrad(), shared_parameters=[*model.shared(), stray]
+        )
     with pytest.raises(TypeError, match="must be a mogradient Harmonizer"):
         mtl_backward(losses, features, lambda jacobian: jacobian.mean(0))
     assert all(parameter.grad is None for parameter in model.parameters())
 
 
-@pytest.mark.parametrize("harmonizer", [mg.TrimmedMean(), mg.GradDrop(seed=0)])
+@pytest.mark.parametrize(
+    "harmonizer", [mg.harmonizers.TrimmedMean(), mg.harmonizers.GradDrop(seed=0)]
+)
 def test_features_mode_refuses_coordinatewise_methods(harmonizer) -> None:
     """Their weights are stand-ins that do not give their direction, and features mode
     applies weights to the trunk; nothing is written."""

@@ -15,9 +15,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mogradient.combinable import CombinableLoss, RowValues
+from mogradient.engines import (
+    RowGradientError,
+    RowGradients,
+    accumulate_gradients,
+    check_close,
+    combinable_gradients,
+    flat_gradient,
+)
 from mogradient.errors import UnusedParameterError
-from mogradient.gradients import accumulate_gradients, combinable_gradients, flat_gradient
-from mogradient.row_gradients import RowGradientError, RowGradients, check_close
 
 ROWS, TOKENS, WIDTH, K = 6, 5, 8, 5
 FLOAT64_RTOL = 1e-12
@@ -240,7 +246,7 @@ def _assign(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 def test_planted_bug_rows_rolled_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """If the engine paired a call's inputs with another row's output gradients, its rows
     would no longer add up to autograd's gradient: the engine refuses the result."""
-    import mogradient.row_gradients as engine_module
+    import mogradient.engines._rows as engine_module
 
     original = engine_module._rows_view
 

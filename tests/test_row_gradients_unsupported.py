@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional
 
 from mogradient.combinable import CombinableLoss, RowValues
-from mogradient.row_gradients import RowGradientError, RowGradients
+from mogradient.engines import RowGradientError, RowGradients
 
 ROWS, TOKENS, WIDTH = 6, 4, 8
 DTYPES = [torch.float32, torch.float64]
@@ -293,7 +293,7 @@ def test_exact_forwards_pass_the_checks(dtype: torch.dtype) -> None:
 def test_the_checks_allow_for_tf32_on_cuda(setting: str, rounding: torch.dtype) -> None:
     """float32 matmuls on CUDA round to TF32 (float16's mantissa) at precision "high": the
     checks' tolerance must follow, or exact rows would be refused on a GPU."""
-    from mogradient.row_gradients import _matmul_precision
+    from mogradient.engines._rows import _matmul_precision
 
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(setting)

@@ -20,11 +20,16 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from mogradient import CombinableLoss, combinable_gradients, objective_gradients
+from mogradient import CombinableLoss
 from mogradient.combinable import RowValues
-from mogradient.distributed import distributed_objective_gradients
-from mogradient.row_gradients import RowGradients
-from mogradient.sharding import is_shard, shard_frozen
+from mogradient.engines import (
+    RowGradients,
+    combinable_gradients,
+    distributed_objective_gradients,
+    is_shard,
+    objective_gradients,
+    shard_frozen,
+)
 
 WORLD_SIZE = 2
 ROWS_PER_RANK = 3

@@ -22,7 +22,8 @@ from benchmarks.toys.problems import (
     quadratic_pareto_point,
     triangle_quadratics,
 )
-from mogradient import MGDA, make_harmonizer
+from mogradient import make_harmonizer
+from mogradient.harmonizers import MGDA
 
 
 def point(*values: float) -> torch.Tensor:

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import mogradient._qp_cone as qp_cone
-from mogradient import UPGrad, gram_matrix
-from mogradient.harmonizers import upgrad
+from mogradient.harmonizers import UPGrad
+from mogradient.harmonizers import _upgrad as upgrad
+from mogradient.qp import gram_matrix
 
 cp = pytest.importorskip("cvxpy")
 qpsolvers = pytest.importorskip("qpsolvers")
@@ -80,7 +81,7 @@ def tolerance(kind: str, count: int, dtype: torch.dtype) -> float:
     return eps**0.5
 
 
-@pytest.mark.filterwarnings("ignore::mogradient.harmonizers.upgrad.SlowSolveWarning")
+@pytest.mark.filterwarnings("ignore::mogradient.harmonizers.SlowSolveWarning")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("count", COUNTS)

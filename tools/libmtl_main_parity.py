@@ -13,7 +13,7 @@ checkout's own ``abstract_weighting``. Nothing of LibMTL is copied here.
 Both sides get two copies of one seeded model (a Linear + tanh trunk, one linear head per
 task, MSE losses on targets of scales 1, 3 and 10, a fresh batch every step) and take the
 same SGD steps. A quantity agrees "to rounding" when its largest difference is within
-64 (step + 1) ulps of its scale, the budget of tests/test_scalarizations_libmtl_parity.py.
+64 (step + 1) ulps of its scale, the budget of tests/scalarizations/ (libmtl.py).
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; run as a script, 
 
 from benchmarks.common import default_dtype  # noqa: E402
 from benchmarks.mtl.parity_model import TASKS, Model, batches  # noqa: E402
-from mogradient.scalarizations.db_mtl import DBMTL  # noqa: E402
-from mogradient.scalarizations.moco import MoCo  # noqa: E402
+from mogradient.scalarizations import DBMTL, MoCo  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "mtl" / "libmtl_main_parity.md"
 STEPS = 10
@@ -253,7 +252,7 @@ def report(checkout: Path, results: list[tuple[str, Comparison]]) -> str:
     )
     ours = ", ".join(
         f"`{path}` {git('hash-object', path, cwd=ROOT)[:12]}"
-        for path in ("mogradient/scalarizations/db_mtl.py", "mogradient/scalarizations/moco.py")
+        for path in ("mogradient/scalarizations/_db_mtl.py", "mogradient/scalarizations/_moco.py")
     )
     lines = [
         "# DB-MTL and MoCo against LibMTL's GitHub main",

@@ -33,12 +33,12 @@ import torch
 
 from benchmarks.mini.learnability import specialist_overrides
 from miniature.recipe import BASE_MODEL, CONFIG, write_prompt_files
-from mogradient.gradients import accumulate_gradients
-from mogradient_diffusion.config.loading import load_config
+from mogradient.engines import accumulate_gradients
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.records import skipped_step_record
 from mogradient_diffusion.training.trainer import Trainer, TrainerCallback, has_signal
+from mogradient_diffusion.training_config import load_config
 
 # Named ways to cut and draw a step (config overrides on top of the recipe).
 VARIANTS = {

@@ -59,7 +59,9 @@ def trunk_stack(problem_name: str, steps: int, seed: int) -> torch.Tensor:
         optimizer.zero_grad()
         _, losses = batch_losses(model, problem.train, rows)
         if step >= steps:
-            jacobian = mg.objective_gradients(losses, model.shared_parameters(), retain_graph=True)
+            jacobian = mg.engines.objective_gradients(
+                losses, model.shared_parameters(), retain_graph=True
+            )
             if _worst_pairwise_cosine(jacobian) < 0:
                 return jacobian
         torch.stack(losses).mean().backward()
@@ -133,7 +135,9 @@ def ours_cr_mogm() -> Direction:
 
     def direction(jacobian: torch.Tensor) -> torch.Tensor:
         uniform = [1.0 / len(jacobian)] * len(jacobian)
-        return mg.CRMOGM(alpha=CR_MOGM_ALPHA, initial_weights=uniform)(jacobian).direction
+        return mg.harmonizers.CRMOGM(alpha=CR_MOGM_ALPHA, initial_weights=uniform)(
+            jacobian
+        ).direction
 
     return direction
 
@@ -221,65 +225,68 @@ EVERY_K_FROM_3 = range(3, 1 << 16)
 # (method, ours, [(implementation, its direction, the K it runs at)])
 PAIRS: list[tuple[str, Callable[[], Direction], list[tuple[str, Callable[[], Direction], Tasks]]]]
 PAIRS = [
-    ("MGDA (plain)", lambda: ours(mg.MGDA(normalize=False)), [
+    ("MGDA (plain)", lambda: ours(mg.harmonizers.MGDA(normalize=False)), [
         ("TorchJD MGDA (defaults: epsilon 1e-3, 100 iters)", lambda: torchjd("MGDA"), None),
         ("TorchJD MGDA (epsilon 1e-12, 1e5 iters)",
          lambda: torchjd("MGDA", epsilon=1e-12, max_iters=100_000), None),
         ("LibMTL MGDA (mgda_gn='none')", lambda: libmtl("MGDA", mgda_gn="none"), None),
     ]),
-    ("MGDA-NR (unit gradients, rescaled)", lambda: ours(mg.MGDA()), [
+    ("MGDA-NR (unit gradients, rescaled)", lambda: ours(mg.harmonizers.MGDA()), [
         ("LibMTL MGDA (mgda_gn='l2'), x mean norm",
          lambda: _rescaled(libmtl("MGDA", mgda_gn="l2")), None),
     ]),
-    ("UPGrad", lambda: ours(mg.UPGrad()), [
+    ("UPGrad", lambda: ours(mg.harmonizers.UPGrad()), [
         ("TorchJD UPGrad (defaults: norm_eps 1e-4, reg_eps 1e-4)", lambda: torchjd("UPGrad"), None),
         ("TorchJD UPGrad (norm_eps 0, reg_eps 0)",
          lambda: torchjd("UPGrad", projector=exact_projector()), None),
     ]),
-    ("DualProj", lambda: ours(mg.DualProj()), [
+    ("DualProj", lambda: ours(mg.harmonizers.DualProj()), [
         ("TorchJD DualProj (defaults)", lambda: torchjd("DualProj"), None),
         ("TorchJD DualProj (norm_eps 0, reg_eps 0)",
          lambda: torchjd("DualProj", projector=exact_projector()), None),
     ]),
-    ("PCGrad (K = 2: order-free)", lambda: ours(mg.PCGrad(seed=0)), [
+    ("PCGrad (K = 2: order-free)", lambda: ours(mg.harmonizers.PCGrad(seed=0)), [
         ("TorchJD PCGrad", lambda: torchjd("PCGrad"), {2}),
         ("LibMTL PCGrad", lambda: libmtl("PCGrad"), {2}),
     ]),
-    ("IMTL-G", lambda: ours(mg.IMTLG()), [
+    ("IMTL-G", lambda: ours(mg.harmonizers.IMTLG()), [
         ("TorchJD IMTLG", lambda: torchjd("IMTLG"), None),
         ("TorchJD IMTLG on the float64 stack", lambda: _in_float64(torchjd("IMTLG")), None),
         ("LibMTL IMTL (loss scales frozen at 0)", lambda: libmtl("IMTL"), None),
     ]),
-    ("CAGrad c=0.5", lambda: ours(mg.CAGrad(c=CAGRAD_C)), [
+    ("CAGrad c=0.5", lambda: ours(mg.harmonizers.CAGrad(c=CAGRAD_C)), [
         ("TorchJD CAGrad (norm_eps 1e-4)", lambda: torchjd("CAGrad", c=CAGRAD_C), None),
     ]),
-    ("CAGrad c=0.5, rescaled by 1/(1+c^2)", lambda: ours(mg.CAGrad(c=CAGRAD_C, rescale=True)), [
+    ("CAGrad c=0.5, rescaled by 1/(1+c^2)",
+     lambda: ours(mg.harmonizers.CAGrad(c=CAGRAD_C, rescale=True)), [
         ("LibMTL CAGrad (rescale=1)", lambda: libmtl("CAGrad", calpha=CAGRAD_C, rescale=1), {3}),
     ]),
-    ("Nash-MTL", lambda: ours(mg.NashMTL()), [
+    ("Nash-MTL", lambda: ours(mg.harmonizers.NashMTL()), [
         ("TorchJD NashMTL (optim_niter 20)", lambda: _nash(20), None),
         ("TorchJD NashMTL (optim_niter 500)", lambda: _nash(500), None),
     ]),
-    ("Aligned-MTL", lambda: ours(mg.AlignedMTL()), [
+    ("Aligned-MTL", lambda: ours(mg.harmonizers.AlignedMTL()), [
         ("TorchJD AlignedMTL", lambda: torchjd("AlignedMTL"), None),
         ("TorchJD AlignedMTL on the float64 stack", lambda: _in_float64(torchjd("AlignedMTL")),
          None),
     ]),
-    ("GradVac, first step (K = 2)", lambda: ours(mg.GradVac(beta=GRADVAC_BETA, seed=0)), [
+    ("GradVac, first step (K = 2)",
+     lambda: ours(mg.harmonizers.GradVac(beta=GRADVAC_BETA, seed=0)), [
         ("TorchJD GradVac", lambda: torchjd("GradVac", beta=GRADVAC_BETA), {2}),
         ("LibMTL GradVac", lambda: libmtl("GradVac", beta=GRADVAC_BETA), {2}),
     ]),
-    ("ConFIG", lambda: ours(mg.ConFIG()), [
+    ("ConFIG", lambda: ours(mg.harmonizers.ConFIG()), [
         ("TorchJD ConFIG", lambda: torchjd("ConFIG"), None),
         ("TorchJD ConFIG on the float64 stack", lambda: _in_float64(torchjd("ConFIG")), None),
     ]),
-    ("FairGrad alpha=1", lambda: ours(mg.FairGrad(alpha=FAIRGRAD_ALPHA)), [
+    ("FairGrad alpha=1", lambda: ours(mg.harmonizers.FairGrad(alpha=FAIRGRAD_ALPHA)), [
         ("TorchJD FairGrad (SciPy least squares, xtol 1e-8)",
          lambda: torchjd("FairGrad", alpha=FAIRGRAD_ALPHA), None),
         ("TorchJD FairGrad on the float64 stack",
          lambda: _in_float64(torchjd("FairGrad", alpha=FAIRGRAD_ALPHA)), None),
     ]),
-    ("ExcessMTL (warm-up 1), first update", lambda: after_warmup(ours(mg.ExcessMTL())), [
+    ("ExcessMTL (warm-up 1), first update",
+     lambda: after_warmup(ours(mg.harmonizers.ExcessMTL())), [
         ("TorchJD ExcessMTL (defaults: n_warmup_steps 0, guard 1e-7)",
          lambda: after_warmup(torchjd("ExcessMTL")), None),
         ("TorchJD ExcessMTL (n_warmup_steps 1, guard 1e-7)",
@@ -288,23 +295,23 @@ PAIRS = [
          lambda: rescaled_float64(after_warmup(torchjd("ExcessMTL", n_warmup_steps=1)),
                                   _excess_scale), None),
     ]),
-    ("Krum f=0 (squared distances, the paper's)", lambda: ours(mg.Krum()), [
+    ("Krum f=0 (squared distances, the paper's)", lambda: ours(mg.harmonizers.Krum()), [
         ("TorchJD Krum (n_byzantine 0: plain distances)", lambda: torchjd("Krum", n_byzantine=0),
          EVERY_K_FROM_3),
     ]),
-    ("Krum f=0, plain distances", lambda: ours(mg.Krum(squared=False)), [
+    ("Krum f=0, plain distances", lambda: ours(mg.harmonizers.Krum(squared=False)), [
         ("TorchJD Krum (n_byzantine 0)", lambda: torchjd("Krum", n_byzantine=0), EVERY_K_FROM_3),
     ]),
-    ("TrimmedMean (trim 1)", lambda: ours(mg.TrimmedMean(1)), [
+    ("TrimmedMean (trim 1)", lambda: ours(mg.harmonizers.TrimmedMean(1)), [
         ("TorchJD TrimmedMean (trim_number 1)", lambda: torchjd("TrimmedMean", trim_number=1),
          EVERY_K_FROM_3),
     ]),
-    ("GradDrop (seeded: same draws)", lambda: ours(mg.GradDrop(seed=GRADDROP_SEED)), [
+    ("GradDrop (seeded: same draws)", lambda: ours(mg.harmonizers.GradDrop(seed=GRADDROP_SEED)), [
         ("TorchJD GradDrop on the float64 stack", lambda: seeded_float64(torchjd("GradDrop")),
          None),
         ("LibMTL GradDrop (leak 0), float64 representation", lambda: libmtl_graddrop, None),
     ]),
-    ("PCD tau=0.02, first step", lambda: ours(mg.PCD()), [
+    ("PCD tau=0.02, first step", lambda: ours(mg.harmonizers.PCD()), [
         ("TorchJD PCD (defaults: tau 0.02, beta 0.999, eps 1e-8)", lambda: torchjd("PCD"), None),
         ("TorchJD PCD on the float64 stack", lambda: _in_float64(torchjd("PCD")), None),
     ]),
@@ -314,12 +321,12 @@ PAIRS = [
         ("TorchJD CRMOGMWeighting(MGDAWeighting(epsilon 1e-12, 1e5 iters))",
          lambda: torchjd_cr_mogm(epsilon=1e-12, max_iters=100_000), None),
     ]),
-    ("MoDo (gamma 0.1, rho 0.1), first step", lambda: ours(mg.MoDo()), [
+    ("MoDo (gamma 0.1, rho 0.1), first step", lambda: ours(mg.harmonizers.MoDo()), [
         ("TorchJD MoDoWeighting", lambda: torchjd_weighting("MoDoWeighting"), None),
         ("TorchJD MoDoWeighting on the float64 stack",
          lambda: _in_float64(torchjd_weighting("MoDoWeighting")), None),
     ]),
-    ("SDMGrad (defaults), first step", lambda: ours(mg.SDMGrad()), [
+    ("SDMGrad (defaults), first step", lambda: ours(mg.harmonizers.SDMGrad()), [
         ("TorchJD SDMGradWeighting (defaults: guard 1e-8 on the mean squared norm)",
          lambda: torchjd_weighting("SDMGradWeighting"), None),
         ("TorchJD SDMGradWeighting on the float64 stack / mean ‖g_k‖",
@@ -501,8 +508,7 @@ are explained in docs/mtl.md, "Same method, different library"):
 
 - ConFIG, FairGrad, MoDo, PCD: TorchJD solves on the float32 stack or its float32 Gram;
   on the float64 stack it agrees with ours to float32 round-off
-  (tests/test_harmonizers_torchjd_parity.py, tests/test_harmonizers_stateful_parity.py,
-  tests/test_harmonizer_pcd.py).
+  (tests/harmonizers/: each method's file, e.g. test_pcd.py).
 - FairGrad on small gradients: TorchJD's SciPy least_squares starts at w = 1/K and
   stops on its gradient tolerance (gtol 1e-8) while the absolute residual
   G w - w^(-1/alpha) is small only because both terms are. On the multi-digits stack
@@ -512,7 +518,7 @@ are explained in docs/mtl.md, "Same method, different library"):
   (in units of |g|), and it adds 1e-7 under the root of its AdaGrad diagonal and to the
   baseline, which outweighs the squares of entries below 3e-4. With the warm-up
   matched and the stack scaled so that the guard is negligible (ours is invariant to each
-  objective's scale) it agrees (tests/test_harmonizers_stateful_parity.py:
+  objective's scale) it agrees (tests/harmonizers/test_state.py:
   test_excess_mtl_matches_its_definition_and_torchjd,
   test_torchjd_default_excess_mtl_saturates_at_large_scale).
 - SDMGrad: TorchJD divides the Gram by (mean norm)^2 + 1e-8, which matters at mean norms

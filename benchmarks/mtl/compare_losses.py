@@ -86,7 +86,7 @@ def ours_loss(build: Callable[[torch.Tensor], mg.Scalarization]) -> DriverFactor
 
 def ours_cosmos(parameter: torch.Tensor) -> LossDriver:
     """COSMOS with a preference drawn (seeded) before every step."""
-    method = mg.COSMOS(LOSS_TASKS, COSMOS_LAMBDA, seed=COSMOS_SEED)
+    method = mg.scalarizations.COSMOS(LOSS_TASKS, COSMOS_LAMBDA, seed=COSMOS_SEED)
 
     def backward(losses: torch.Tensor) -> None:
         method.next_preference()
@@ -121,7 +121,7 @@ def torchjd_loss(
 
 def torchjd_cosmos(parameter: torch.Tensor) -> LossDriver:
     """TorchJD's COSMOS given, each step, the preference our seeded COSMOS draws."""
-    draws = mg.COSMOS(LOSS_TASKS, COSMOS_LAMBDA, seed=COSMOS_SEED)
+    draws = mg.scalarizations.COSMOS(LOSS_TASKS, COSMOS_LAMBDA, seed=COSMOS_SEED)
 
     def backward(losses: torch.Tensor) -> None:
         preference = draws.next_preference().to(losses.dtype)
@@ -179,11 +179,15 @@ def libmtl_gradnorm(parameter: torch.Tensor) -> LossDriver:
 
 
 def _stch(parameter: torch.Tensor) -> mg.Scalarization:
-    return mg.STCH(mu=STCH_MU, preferences=STCH_PREFERENCES, reference=[0.0] * LOSS_TASKS)
+    return mg.scalarizations.STCH(
+        mu=STCH_MU, preferences=STCH_PREFERENCES, reference=[0.0] * LOSS_TASKS
+    )
 
 
 def _pbi(parameter: torch.Tensor) -> mg.Scalarization:
-    return mg.PBI(theta=PBI_THETA, preferences=PBI_PREFERENCES, reference=[0.0] * LOSS_TASKS)
+    return mg.scalarizations.PBI(
+        theta=PBI_THETA, preferences=PBI_PREFERENCES, reference=[0.0] * LOSS_TASKS
+    )
 
 
 def _vector(values: tuple[float, ...]) -> torch.Tensor:
@@ -193,22 +197,22 @@ def _vector(values: tuple[float, ...]) -> torch.Tensor:
 # (method, ours, [(implementation, its driver)])
 LOSS_PAIRS: list[tuple[str, DriverFactory, list[tuple[str, DriverFactory]]]] = [
     ("UW (log-variances fixed at -0.5, 0.25, 1)",
-     ours_loss(lambda p: _fixed_log_scales(mg.UW(LOSS_TASKS), "log_variances")), [
+     ours_loss(lambda p: _fixed_log_scales(mg.scalarizations.UW(LOSS_TASKS), "log_variances")), [
         ("TorchJD UW", torchjd_loss(
             lambda: _fixed_log_scales(torchjd_scalarizer("UW", LOSS_TASKS), "log_var"))),
         ("LibMTL UW", libmtl_loss("UW", fixed_scales=True)),
     ]),
-    ("DWA T=2 (four epochs of two steps)", ours_loss(lambda p: mg.DWA(LOSS_TASKS)), [
+    ("DWA T=2 (four epochs of two steps)", ours_loss(lambda p: mg.scalarizations.DWA(LOSS_TASKS)), [
         ("TorchJD DWA (step() after each epoch)",
          torchjd_loss(lambda: torchjd_scalarizer("DWA", 2.0), end_epoch="step")),
         ("LibMTL DWA (epoch means in train_loss_buffer)", libmtl_loss("DWA", T=2.0)),
     ]),
-    ("GLS (geometric mean)", ours_loss(lambda p: mg.GLS()), [
+    ("GLS (geometric mean)", ours_loss(lambda p: mg.scalarizations.GLS()), [
         ("TorchJD GeometricMean", torchjd_loss(lambda: torchjd_scalarizer("GeometricMean"))),
         ("LibMTL GLS", libmtl_loss("GLS")),
     ]),
     ("IMTL-L (log-scales fixed at -0.5, 0.25, 1)",
-     ours_loss(lambda p: _fixed_log_scales(mg.IMTLL(LOSS_TASKS), "log_scales")), [
+     ours_loss(lambda p: _fixed_log_scales(mg.scalarizations.IMTLL(LOSS_TASKS), "log_scales")), [
         ("TorchJD IMTLL", torchjd_loss(
             lambda: _fixed_log_scales(torchjd_scalarizer("IMTLL", LOSS_TASKS), "log_scale"))),
     ]),
@@ -224,7 +228,7 @@ LOSS_PAIRS: list[tuple[str, DriverFactory, list[tuple[str, DriverFactory]]]] = [
              reference=torch.zeros(LOSS_TASKS, dtype=torch.float64)))),
     ]),
     ("FAMO (lr 0.025, weight decay 1e-3), updated after each step",
-     ours_loss(lambda p: mg.FAMO(LOSS_TASKS)), [
+     ours_loss(lambda p: mg.scalarizations.FAMO(LOSS_TASKS)), [
         ("TorchJD FAMO (update() after each step)",
          torchjd_loss(lambda: torchjd_scalarizer("FAMO", LOSS_TASKS), after_step="update")),
     ]),
@@ -232,12 +236,14 @@ LOSS_PAIRS: list[tuple[str, DriverFactory, list[tuple[str, DriverFactory]]]] = [
         ("TorchJD COSMOS (given our draws)", torchjd_cosmos),
     ]),
     ("GradNorm alpha=1.5 (weights stepped at rate 0.025)",
-     ours_loss(lambda p: mg.GradNorm(LOSS_TASKS, [p], alpha=GRADNORM_ALPHA, lr=GRADNORM_LR)), [
+     ours_loss(lambda p: mg.scalarizations.GradNorm(
+         LOSS_TASKS, [p], alpha=GRADNORM_ALPHA, lr=GRADNORM_LR)), [
         ("LibMTL GradNorm (weights K softmax(s), s stepped by SGD, L(0) = first losses)",
          libmtl_gradnorm),
     ]),
     ("IMTL (log-scales fixed at -0.5, 0.25, 1)",
-     ours_loss(lambda p: _fixed_log_scales(mg.IMTL(LOSS_TASKS, [p]), "loss_scales.log_scales")), [
+     ours_loss(lambda p: _fixed_log_scales(
+         mg.scalarizations.IMTL(LOSS_TASKS, [p]), "loss_scales.log_scales")), [
         ("LibMTL IMTL (log-scales fixed alike)", libmtl_loss("IMTL", fixed_scales=True)),
     ]),
 ]  # fmt: skip
@@ -309,7 +315,7 @@ Known differences above float round-off:
   sum_k |G_k - target_k| in w, clipped at 0, renormalized to sum K); LibMTL's weights are
   K softmax(s) with s stepped by the optimizer. Both start at ones: only step 1 agrees.
 - PBI: TorchJD takes the off-ray distance as sqrt(d^2 + 1e-12), which moves the gradient by
-  at most theta 1e-12 / (2 d^2), below round-off here (tests/test_scalarizations.py,
+  at most theta 1e-12 / (2 d^2), below round-off here (tests/scalarizations/,
   test_same_as_torchjd_pbi_up_to_its_smoothing_constant).
 """
 

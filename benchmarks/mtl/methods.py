@@ -52,17 +52,19 @@ def head_backward(model: MultiTaskNet, losses: list[torch.Tensor]) -> None:
 
 @dataclass
 class Ours:
-    """A mogradient harmonizer on the trunk's K x D gradient stack."""
+    """A mogradient harmonizer on the trunk's K x D gradient stack, one HarmonizedStep."""
 
     harmonizer: mg.Harmonizer
-    last: mg.Harmonization | None = field(default=None, repr=False)
+    last: mg.StepReport | None = field(default=None, repr=False)
+    step: mg.HarmonizedStep | None = field(default=None, repr=False)
+
+    def bind(self, model: MultiTaskNet) -> None:
+        self.step = mg.HarmonizedStep(model.shared_parameters(), self.harmonizer)
 
     def backward(self, model, losses, features):
-        shared = model.shared_parameters()
-        jacobian = mg.objective_gradients(losses, shared, retain_graph=True)
-        self.last = self.harmonizer(jacobian)
-        head_backward(model, losses)
-        mg.write_gradient(shared, self.last.direction)
+        head_backward(model, losses)  # the heads' .grad; the graph stays for the trunk
+        separate = mg.CombinableLoss.separate(torch.stack(losses))
+        self.last = self.step.solve([(1.0, separate)], len(losses))
         return self.last.weights
 
 
@@ -189,7 +191,7 @@ class TorchJDCOSMOS(TorchJDScalarized):
     implementation alone.
     """
 
-    sampler: mg.COSMOS
+    sampler: mg.scalarizations.COSMOS
 
     def next_preference(self) -> torch.Tensor:
         preference = self.sampler.next_preference()
@@ -339,7 +341,9 @@ def _tjd_cosmos(num_tasks: int, seed: int) -> Method:
     from torchjd.scalarization import COSMOS
 
     uniform = torch.full((num_tasks,), 1.0 / num_tasks)  # replaced before every call
-    sampler = mg.COSMOS(num_tasks, lam=0.0, concentration=COSMOS_CONCENTRATION, seed=seed)
+    sampler = mg.scalarizations.COSMOS(
+        num_tasks, lam=0.0, concentration=COSMOS_CONCENTRATION, seed=seed
+    )
     return TorchJDCOSMOS(COSMOS(COSMOS_LAMBDA, weights=uniform), sampler)
 
 
@@ -392,33 +396,52 @@ COSMOS_CONCENTRATION = 1.2
 METHODS: dict[str, Spec] = {
     spec.label: spec
     for spec in [
-        Spec("EW", "mogradient", _ours(lambda k, s: mg.Mean())),
-        Spec("RLW", "mogradient", _ours(lambda k, s: mg.RandomWeights(seed=s))),
-        Spec("MGDA", "mogradient", _ours(lambda k, s: mg.MGDA(normalize=False))),
-        Spec("MGDA-NR", "mogradient", _ours(lambda k, s: mg.MGDA())),
-        Spec("PCGrad", "mogradient", _ours(lambda k, s: mg.PCGrad(seed=s))),
-        Spec("CAGrad", "mogradient", _ours(lambda k, s: mg.CAGrad(c=CAGRAD_C))),
-        Spec("Nash-MTL", "mogradient", _ours(lambda k, s: mg.NashMTL())),
-        Spec("UPGrad", "mogradient", _ours(lambda k, s: mg.UPGrad())),
-        Spec("DualProj", "mogradient", _ours(lambda k, s: mg.DualProj())),
-        Spec("IMTL-G", "mogradient", _ours(lambda k, s: mg.IMTLG())),
-        Spec("Aligned-MTL", "mogradient", _ours(lambda k, s: mg.AlignedMTL())),
-        Spec("GradVac", "mogradient", _ours(lambda k, s: mg.GradVac(beta=GRADVAC_BETA, seed=s))),
+        Spec("EW", "mogradient", _ours(lambda k, s: mg.harmonizers.Mean())),
+        Spec("RLW", "mogradient", _ours(lambda k, s: mg.harmonizers.RandomWeights(seed=s))),
+        Spec("MGDA", "mogradient", _ours(lambda k, s: mg.harmonizers.MGDA(normalize=False))),
+        Spec("MGDA-NR", "mogradient", _ours(lambda k, s: mg.harmonizers.MGDA())),
+        Spec("PCGrad", "mogradient", _ours(lambda k, s: mg.harmonizers.PCGrad(seed=s))),
+        Spec("CAGrad", "mogradient", _ours(lambda k, s: mg.harmonizers.CAGrad(c=CAGRAD_C))),
+        Spec("Nash-MTL", "mogradient", _ours(lambda k, s: mg.harmonizers.NashMTL())),
+        Spec("UPGrad", "mogradient", _ours(lambda k, s: mg.harmonizers.UPGrad())),
+        Spec("DualProj", "mogradient", _ours(lambda k, s: mg.harmonizers.DualProj())),
+        Spec("IMTL-G", "mogradient", _ours(lambda k, s: mg.harmonizers.IMTLG())),
+        Spec("Aligned-MTL", "mogradient", _ours(lambda k, s: mg.harmonizers.AlignedMTL())),
+        Spec(
+            "GradVac",
+            "mogradient",
+            _ours(lambda k, s: mg.harmonizers.GradVac(beta=GRADVAC_BETA, seed=s)),
+        ),
         Spec(
             "Dropout(MGDA-NR)",
             "mogradient",
-            _ours(lambda k, s: mg.RewardDropout(mg.MGDA(), probability=0.3, seed=s)),
+            _ours(
+                lambda k, s: mg.harmonizers.RewardDropout(
+                    mg.harmonizers.MGDA(), probability=0.3, seed=s
+                )
+            ),
         ),
-        Spec("ConFIG", "mogradient", _ours(lambda k, s: mg.ConFIG())),
-        Spec("FairGrad", "mogradient", _ours(lambda k, s: mg.FairGrad(alpha=FAIRGRAD_ALPHA))),
-        Spec("ExcessMTL", "mogradient", _ours(lambda k, s: mg.ExcessMTL())),
-        Spec("CR-MOGM", "mogradient", _ours(lambda k, s: mg.CRMOGM())),
-        Spec("MoDo", "mogradient", _ours(lambda k, s: mg.MoDo())),
-        Spec("SDMGrad", "mogradient", _ours(lambda k, s: mg.SDMGrad())),
-        Spec("Krum", "mogradient", _ours(lambda k, s: mg.Krum()), min_tasks=3),
-        Spec("TrimmedMean", "mogradient", _ours(lambda k, s: mg.TrimmedMean()), min_tasks=3),
-        Spec("GradDrop", "mogradient", _ours(lambda k, s: mg.GradDrop(seed=s))),
-        Spec("MGDA-UB", "mogradient", lambda k, s: OursFeatures(mg.MGDA(normalize=False))),
+        Spec("ConFIG", "mogradient", _ours(lambda k, s: mg.harmonizers.ConFIG())),
+        Spec(
+            "FairGrad",
+            "mogradient",
+            _ours(lambda k, s: mg.harmonizers.FairGrad(alpha=FAIRGRAD_ALPHA)),
+        ),
+        Spec("ExcessMTL", "mogradient", _ours(lambda k, s: mg.harmonizers.ExcessMTL())),
+        Spec("CR-MOGM", "mogradient", _ours(lambda k, s: mg.harmonizers.CRMOGM())),
+        Spec("MoDo", "mogradient", _ours(lambda k, s: mg.harmonizers.MoDo())),
+        Spec("SDMGrad", "mogradient", _ours(lambda k, s: mg.harmonizers.SDMGrad())),
+        Spec("Krum", "mogradient", _ours(lambda k, s: mg.harmonizers.Krum()), min_tasks=3),
+        Spec(
+            "TrimmedMean",
+            "mogradient",
+            _ours(lambda k, s: mg.harmonizers.TrimmedMean()),
+            min_tasks=3,
+        ),
+        Spec("GradDrop", "mogradient", _ours(lambda k, s: mg.harmonizers.GradDrop(seed=s))),
+        Spec(
+            "MGDA-UB", "mogradient", lambda k, s: OursFeatures(mg.harmonizers.MGDA(normalize=False))
+        ),
         Spec("UW", "mogradient", _scalar("uw")),
         Spec("DWA", "mogradient", _scalar("dwa", temperature=DWA_TEMPERATURE)),
         Spec("GLS", "mogradient", _scalar("gls")),
@@ -434,7 +457,7 @@ METHODS: dict[str, Spec] = {
         Spec("DB-MTL", "mogradient", _scalar_on(_trunk, "dbmtl")),
         Spec("IMTL", "mogradient", _scalar_on(_trunk, "imtl")),
         Spec("MoCo", "mogradient", _scalar_on(_trunk, "moco")),
-        Spec("PCD", "mogradient", _ours(lambda k, s: mg.PCD())),
+        Spec("PCD", "mogradient", _ours(lambda k, s: mg.harmonizers.PCD())),
         Spec("COSMOS", "mogradient", _cosmos),
         Spec("TorchJD UPGrad", "torchjd", _tjd("UPGrad")),
         Spec("TorchJD MGDA", "torchjd", _tjd("MGDA")),
@@ -515,7 +538,7 @@ def applicable(spec: Spec, num_tasks: int) -> bool:
 def preference_method(kind: str, preference: tuple[float, ...]) -> Method:
     """A point of a Pareto-front sweep: MGDA-NR tilted by ``preference``, or the weighted sum."""
     if kind == "MGDA-NR":
-        return Ours(mg.MGDA(preferences=list(preference)))
+        return Ours(mg.harmonizers.MGDA(preferences=list(preference)))
     if kind == "weighted sum":
-        return Ours(mg.FixedWeights(list(preference)))
+        return Ours(mg.harmonizers.FixedWeights(list(preference)))
     raise ValueError(f"unknown sweep {kind!r}; use 'MGDA-NR' or 'weighted sum'")

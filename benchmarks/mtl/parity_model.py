@@ -1,4 +1,4 @@
-"""The small seeded model the LibMTL parity checks drive (tests/test_scalarizations_libmtl_parity.py
+"""The small seeded model the LibMTL parity checks drive (tests/scalarizations/libmtl.py
 against LibMTL 1.1.5, tools/libmtl_main_parity.py against its GitHub main): both sides get
 two copies of it, the same batches and the same steps."""
 

@@ -88,7 +88,9 @@ def train(
             else:
                 diagnose = step % budget.diagnostics_every == 0
                 jacobian = (
-                    mg.objective_gradients(losses, model.shared_parameters(), retain_graph=True)
+                    mg.engines.objective_gradients(
+                        losses, model.shared_parameters(), retain_graph=True
+                    )
                     if diagnose
                     else None
                 )
@@ -135,7 +137,7 @@ def _losses_only(*arguments) -> list[torch.Tensor]:
 
 def _worst_cosine(model: MultiTaskNet, jacobian: torch.Tensor, weights) -> float:
     """cos_min between the trunk update a method wrote and each task's trunk gradient."""
-    direction = mg.flat_gradient(model.shared_parameters())
+    direction = mg.engines.flat_gradient(model.shared_parameters())
     if weights is None or len(weights) != len(jacobian):
         weights = torch.ones(len(jacobian), dtype=torch.float64)
     diagnostics = mg.conflict_diagnostics(weights, jacobian=jacobian, direction=direction)

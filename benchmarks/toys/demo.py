@@ -42,7 +42,7 @@ PROBLEMS: dict[str, Callable[[], ToyProblem]] = {
 SKIPPED = {
     "fixed": "with its default equal weights it is 'mean' up to scale",
     "krum": "it needs at least 3 objectives; both toys have 2",
-    "trimmedmean": "it needs at least 3 objectives; both toys have 2",
+    "trimmed_mean": "it needs at least 3 objectives; both toys have 2",
 }
 # The papers run Adam at lr 1e-3 for 35000 (Nash-MTL) or 100000 (CAGrad) steps: about an
 # hour for all methods here. The default keeps CAGrad's path budget (lr x steps = 100)

@@ -19,8 +19,8 @@ import torch
 from mogradient._gram import gram_matrix
 from mogradient._qp import solve_simplex_qp
 from mogradient.diagnostics import conflict_diagnostics
-from mogradient.gradients import write_gradient
-from mogradient.harmonizers.base import Harmonizer
+from mogradient.engines import write_gradient
+from mogradient.harmonizers import Harmonizer
 
 LOWER = 5e-6
 """Floor inside the logarithms of the CAGrad toy (keeps the valleys finite)."""

@@ -1,4 +1,4 @@
-"""mogradient_diffusion: multi-reward DiffusionNFT with MARBLE harmonization on SD3."""
+"""Multi-reward DiffusionNFT, Flow-GRPO and SDPO training of SD3/SD3.5, FLUX.1 and Qwen-Image."""
 
 import logging
 

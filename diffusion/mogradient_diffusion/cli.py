@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from mogradient_diffusion.config.loading import ConfigError, TrainingConfig, load_config, run_home
+from mogradient_diffusion.training_config import ConfigError, TrainingConfig, load_config, run_home
 
 
 def main(argv: Sequence[str] | None = None) -> int:

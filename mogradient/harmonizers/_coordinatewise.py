@@ -14,10 +14,10 @@ from abc import abstractmethod
 import numpy as np
 import torch
 
+from mogradient._finite import all_finite
 from mogradient._gram import CosineGram
 from mogradient._span import coordinates_from_stack
-from mogradient.gradients import all_finite
-from mogradient.harmonizers.base import (
+from mogradient.harmonizers._base import (
     Harmonization,
     Harmonizer,
     WeighResult,

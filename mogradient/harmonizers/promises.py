@@ -2,7 +2,7 @@
 
 Why as data: each method's docstring states guarantees that follow from its definition
 (MGDA's min-norm point conflicts with no gradient; Nash-MTL's weights scale with no
-gradient), and one property suite (``tests/test_harmonizer_promises.py``) checks every
+gradient), and one property suite (``tests/harmonizers/test_contract.py``) checks every
 declared promise of every registered method on the same input families, in float32 and
 float64. A method registered later is covered by declaring what it promises.
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mogradient.gradients import objective_gradients
+from mogradient.engines._stack import objective_gradients
 
 
 def shared_parameters(method: str, shared: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
 """Model-free rewards that are smooth in the pixels, registered through ``reward_modules``:
-round-off in the images stays round-off in the scores (JPEG sizes and colour thresholds
+round-off in the images stays round-off in the scores (JPEG sizes and color thresholds
 can flip), so two runs that differ by round-off can be compared step by step."""
 
 from __future__ import annotations

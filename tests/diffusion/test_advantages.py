@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mogradient_diffusion.training.advantages import group_advantages, weighted_reward
+from mogradient_diffusion.advantages import group_advantages, weighted_reward
 
 NAN = math.nan
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.records import skipped_step_record
 from mogradient_diffusion.training.trainer import Trainer, TrainerCallback
+from mogradient_diffusion.training_config import load_config
 
 
 class Recorder(TrainerCallback):

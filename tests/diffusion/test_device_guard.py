@@ -18,12 +18,12 @@ import pytest
 import torch
 from logical_accelerator import ACCELERATOR, AcceleratorTensor, logical_accelerator
 
-from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.model.tiny_flux import TinyFluxSpec, save_tiny_flux_pipeline
 from mogradient_diffusion.model.tiny_qwen_image import save_tiny_qwen_image_pipeline
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.trainer import Trainer
+from mogradient_diffusion.training_config import load_config
 
 # Three sampler steps: SDPO's least (an interior anchor); every op is a Python call here.
 STEP_OBJECTIVE = ["rollout.sampler=sde", "train.old_schedule=copy", "rollout.steps=3"]

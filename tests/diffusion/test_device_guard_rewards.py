@@ -64,13 +64,13 @@ GENEVAL_METADATA = [
         ],
     },
 ]
-# Keep every query the random detector proposes, so colours get classified too.
+# Keep every query the random detector proposes, so colors get classified too.
 LOOSE_GENEVAL = {"threshold": 0.0, "counting_threshold": 0.0, "detector_size": 64}
 
 
 def world_batch() -> Batch:
     """Clean renders of two prompts from each source of the mini world, with metadata:
-    colours, counts, positions, quoted sign text, so every rule-based reward applies."""
+    colors, counts, positions, quoted sign text, so every rule-based reward applies."""
     rng = random.Random(0)
     prompts = [p for source in world.all_prompts().values() for p in rng.sample(source, 2)]
     arrays = np.stack([np.asarray(world.render(world.sample_scene(p, rng))) for p in prompts])
@@ -131,23 +131,23 @@ def with_model(name: str, batch: str, **paths: str) -> Case:
 
 
 def geneval(name: str) -> Case:
-    """A GenEval reward keeping every detection, so it classifies colours with its CLIP."""
+    """A GenEval reward keeping every detection, so it classifies colors with its CLIP."""
 
     def build(weights: Weights) -> Reward:
         paths = {"path": weights["mask2former"], "clip_path": weights["clip"]}
         return make_reward(name, **paths, **LOOSE_GENEVAL)
 
-    return Case(build, "geneval", model=True, reaches="_clip")  # the colour classifier
+    return Case(build, "geneval", model=True, reaches="_clip")  # the color classifier
 
 
 CASES: dict[str, Case] = {
     "aesthetic": with_model("aesthetic", "clip", path="clip", head="aesthetic_head"),
-    "clipscore": with_model("clipscore", "clip", path="clip"),
+    "clip_score": with_model("clip_score", "clip", path="clip"),
     "color_match": plain("color_match"),
     "count_match": plain("count_match"),
     "geneval": geneval("geneval"),
     "geneval_strict": geneval("geneval_strict"),
-    "hpsv21": with_model("hpsv21", "clip", path="clip"),
+    "hps_v21": with_model("hps_v21", "clip", path="clip"),
     "image_reward": with_model("image_reward", "clip", path="image_reward"),
     "jpeg_compressibility": plain("jpeg_compressibility"),
     "jpeg_incompressibility": plain("jpeg_incompressibility"),
@@ -166,7 +166,7 @@ CASES: dict[str, Case] = {
     "mini_sign": plain("mini_sign"),
     "mini_style": plain("mini_style"),
     "ocr": plain("ocr"),
-    "pickscore": with_model("pickscore", "clip", path="clip"),
+    "pick_score": with_model("pick_score", "clip", path="clip"),
     "unified_reward": Case(unified_reward),
 }
 
@@ -181,6 +181,10 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Weights:
         "image_reward": save_tiny_image_reward(root / "image_reward"),
         "mask2former": save_tiny_mask2former(root / "mask2former", DETECTOR_LABELS),
     }
+
+
+# Where the shipped rewards and their helper objects are defined.
+PACKAGES = ("mogradient_diffusion.", "miniature.")
 
 
 def held_tensors(reward: Reward) -> list[Tensor]:
@@ -202,7 +206,7 @@ def held_tensors(reward: Reward) -> list[Tensor]:
             todo += item.values()
         elif isinstance(item, list | tuple):
             todo += item
-        elif type(item).__module__.startswith("mogradient_diffusion."):
+        elif type(item).__module__.startswith(PACKAGES):
             todo += vars(item).values()
     return found
 
@@ -234,11 +238,10 @@ def reward_params() -> list[Any]:
 def test_every_shipped_reward_has_a_case() -> None:
     """A reward added later fails here until it gets a case (or a reasoned exclusion).
 
-    Shipped: registered from the package (``rewards`` and ``mini``); test helpers
-    register others, which are not ours to guard.
+    Shipped: registered from the package's ``rewards`` and from ``miniature``; test
+    helpers register others, which are not ours to guard.
     """
-    package = "mogradient_diffusion."
-    shipped = {name for name, cls in REWARDS.items() if cls.__module__.startswith(package)}
+    shipped = {name for name, cls in REWARDS.items() if cls.__module__.startswith(PACKAGES)}
     assert set(CASES) == shipped - set(EXCLUDED)
     assert set(GUARD_GAPS) <= set(CASES)
 
@@ -264,7 +267,7 @@ def test_reward_scores_on_the_accelerator_as_on_the_cpu(name: str, weights: Weig
 
 # --- the evaluation -----------------------------------------------------------------------
 
-EVAL_METRICS = ["clipscore", "mini_preference", "jpeg_compressibility"]
+EVAL_METRICS = ["clip_score", "mini_preference", "jpeg_compressibility"]
 # Measured: the guarded pipeline's images differ from the CPU's by up to 3.3e-6 (kernels
 # chosen by device type, as above); the bound leaves a margin of about 10.
 IMAGE_ATOL = 3e-5
@@ -327,7 +330,7 @@ def eval_settings(model: Path, lora: Path, clip: Path, out: Path) -> evaluate.Ev
         lora=str(lora),
         prompts="geneval",
         metrics=EVAL_METRICS,
-        metric_options={"clipscore": {"path": str(clip)}},
+        metric_options={"clip_score": {"path": str(clip)}},
         out=str(out),
         steps=2,
         max_prompts=2,

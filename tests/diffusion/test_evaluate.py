@@ -162,7 +162,7 @@ def test_z_score_composite_by_hand_and_compare_marks_best_and_second(tmp_path):
         (["--prompts", "ocr", "--metrics", "nope"], "unknown metrics"),
         (["--prompts", "missing.txt", "--metrics", "ocr"], "neither a shipped set"),
         (["--prompts", "ocr", "--metrics", "ocr", "--steps", "0"], "steps"),
-        (["--prompts", "ocr", "--metrics", "pickscore"], "pickscore"),
+        (["--prompts", "ocr", "--metrics", "pick_score"], "pick_score"),
     ],
 )
 def test_bad_eval_input_is_one_clear_line(tiny_pipeline_dir, tmp_path, capsys, args, message):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.config.settings import ConfigError
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.model.families import (
@@ -22,6 +21,7 @@ from mogradient_diffusion.model.families import (
 )
 from mogradient_diffusion.model.pipeline_files import pipeline_family
 from mogradient_diffusion.model.policy import LoraSpec, Policy
+from mogradient_diffusion.training_config import load_config
 
 
 def test_a_saved_pipeline_names_its_family(tiny_pipeline_dir: Path) -> None:
@@ -30,8 +30,10 @@ def test_a_saved_pipeline_names_its_family(tiny_pipeline_dir: Path) -> None:
 
 
 def test_unknown_families_are_refused_with_the_choices(tiny_pipeline_dir, tmp_path) -> None:
-    with pytest.raises(ValueError, match=r"unknown model family 'sdxl'; choose one of \[.*'sd3'"):
+    with pytest.raises(ValueError, match=r"unknown model family 'sdxl'; choose one of: .*sd3"):
         family_named("sdxl")
+    with pytest.raises(ValueError, match=r"did you mean 'qwen_image'"):
+        family_named("qwenimage")
     other = tmp_path / "other"
     shutil.copytree(tiny_pipeline_dir, other)
     index = json.loads((other / "model_index.json").read_text())

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from mogradient_diffusion.advantages import gdpo_advantages
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config.loading import ConfigError, load_config
-from mogradient_diffusion.config.settings import StrategyConfig
 from mogradient_diffusion.runs.metrics_log import read_metrics
-from mogradient_diffusion.training.advantages import gdpo_advantages
-from mogradient_diffusion.training.strategies import build_strategy
+from mogradient_diffusion.strategies import build_strategy
+from mogradient_diffusion.strategies.reward_weights import RewardWeightsSettings
+from mogradient_diffusion.training_config import ConfigError, load_config
 
 NAN = math.nan
 EPS = 1e-4  # the official TRL code's, per group and for the batch
@@ -99,14 +99,15 @@ def test_a_batch_without_spread_gives_exact_zeros() -> None:
 
 def test_the_strategy_is_one_objective_without_a_solve() -> None:
     rewards, groups = _rewards()
-    strategy = build_strategy(StrategyConfig(name="gdpo", weights=[2.0, 0.5, 0.0]), ["a", "b", "c"])
+    settings = RewardWeightsSettings(weights=[2.0, 0.5, 0.0])
+    strategy = build_strategy("gdpo", settings, ["a", "b", "c"])
     assert strategy.objective_names(epoch=0) == ["a+b"]
     assert strategy.gradient_free and not strategy.needs_gradients()
     column = strategy.objective_rewards(rewards, epoch=0, group_ids=groups)
     assert column.shape == (16, 1)
     expected = gdpo_advantages(rewards, groups, [2.0, 0.5, 0.0])
     torch.testing.assert_close(column[:, 0], expected, rtol=0, atol=0, equal_nan=True)
-    equal = build_strategy(StrategyConfig(name="gdpo"), ["a", "b", "c"])
+    equal = build_strategy("gdpo", RewardWeightsSettings(), ["a", "b", "c"])
     assert equal.scalar_weights.tolist() == [1.0, 1.0, 1.0]
     # Group normalization needs the batch's group ids and per-sample rewards.
     with pytest.raises(ValueError, match="normalizes each reward within its prompt group"):
@@ -119,22 +120,22 @@ def test_the_strategy_is_one_objective_without_a_solve() -> None:
     ("weights", "match"),
     [
         ([1.0], "1 entries for 2 rewards"),
-        ([1.0, -1.0], "finite, >= 0 and not all 0"),
-        ([0.0, 0.0], "finite, >= 0 and not all 0"),
-        ([1.0, NAN], "finite, >= 0 and not all 0"),
+        ([1.0, -1.0], "finite, >= 0 and not all zero"),
+        ([0.0, 0.0], "finite, >= 0 and not all zero"),
+        ([1.0, NAN], "finite, >= 0 and not all zero"),
     ],
 )
 def test_build_refuses_bad_weights(weights: list[float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        build_strategy(StrategyConfig(name="gdpo", weights=weights), ["a", "b"])
+        build_strategy("gdpo", RewardWeightsSettings(weights=weights), ["a", "b"])
 
 
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
         (["strategy.weights=[1]"], "strategy.weights has 1 entries for 2 rewards"),
-        (["strategy.weights=[1, -1]"], "strategy.weights must be >= 0 and not all zero"),
-        (["strategy.weights=[0, 0]"], "strategy.weights must be >= 0 and not all zero"),
+        (["strategy.weights=[1, -1]"], "strategy.weights must be finite, >= 0 and not all zero"),
+        (["strategy.weights=[0, 0]"], "strategy.weights must be finite, >= 0 and not all zero"),
         (["strategy.weights=[1, .inf]"], "finite"),
         (["strategy.rho=0.7"], "does not use strategy.rho"),
         (["objective.advantage_std=group"], "advantage_std=group would normalize it per prompt"),
@@ -148,9 +149,10 @@ def test_config_errors(overrides: list[str], match: str) -> None:
 
 
 def test_config_takes_gdpo_with_or_without_weights() -> None:
-    assert load_config(preset="tiny", overrides=["strategy.name=gdpo"]).strategy.weights is None
+    config = load_config(preset="tiny", overrides=["strategy.name=gdpo"])
+    assert config.strategy.settings.weights is None
     config = load_config(preset="tiny", overrides=["strategy.name=gdpo", "strategy.weights=[2, 1]"])
-    assert config.strategy.weights == [2.0, 1.0]
+    assert config.strategy.settings.weights == [2.0, 1.0]
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mogradient_diffusion.rewards.geneval_rules import (
-    COLOURS,
+    COLORS,
     CROP_BACKGROUND,
     GENEVAL_CLASSES,
     Detection,
@@ -35,8 +35,8 @@ from mogradient_diffusion.rewards.geneval_rules import (
 )
 
 
-def det(label: str, score: float = 0.95, box=(0, 0, 10, 10), colour: str | None = None):
-    return Detection(label, score, tuple(float(v) for v in box), colour=colour)
+def det(label: str, score: float = 0.95, box=(0, 0, 10, 10), color: str | None = None):
+    return Detection(label, score, tuple(float(v) for v in box), color=color)
 
 
 def both(objects, meta) -> tuple[bool, float]:
@@ -103,9 +103,9 @@ def test_relation_margin_and_no_relation():
 # --- strict versus partial -------------------------------------------------------------
 
 
-def dogs(n: int, colours: list[str] | None = None):
-    colours = colours or [None] * n
-    return {"dog": [det("dog", 0.99 - 0.01 * i, colour=c) for i, c in enumerate(colours)]}
+def dogs(n: int, colors: list[str] | None = None):
+    colors = colors or [None] * n
+    return {"dog": [det("dog", 0.99 - 0.01 * i, color=c) for i, c in enumerate(colors)]}
 
 
 @pytest.mark.parametrize(
@@ -135,7 +135,7 @@ def test_exclude_fails_strict_only():
     assert both(dogs(3), meta) == (False, 0.5)
 
 
-def test_colour_requirement():
+def test_color_requirement():
     meta = {"tag": "colors", "include": [{"class": "dog", "count": 2, "color": "red"}]}
     assert both(dogs(2, ["red", "red"]), meta) == (True, 1.0)
     assert partial_terms(dogs(2, ["red", "blue"]), meta) == [1.0, 0.5]
@@ -144,7 +144,7 @@ def test_colour_requirement():
     assert partial_terms(dogs(3, ["red", "red", "blue"]), meta) == [0.5, 0.0]
     assert both(dogs(3, ["red", "red", "blue"]), meta) == (True, 0.25)
     assert both(dogs(3, ["red", "blue", "red"]), meta) == (False, 0.25)
-    with pytest.raises(ValueError, match="no colour"):
+    with pytest.raises(ValueError, match="no color"):
         strict_correct(dogs(2), meta)
 
 
@@ -318,11 +318,11 @@ def test_real_tiny_models_end_to_end(weights):
 
     outcomes = reward.evaluate(batch, METAS)
     assert outcomes[1] is None and outcomes[4] is None
-    colour_objects = [
+    color_objects = [
         d for label in ("computer keyboard", "cat") for d in outcomes[2].objects.get(label, [])
     ]
-    assert colour_objects, "the loose thresholds should keep some colour-clause objects"
-    assert all(d.colour in COLOURS for d in colour_objects)
+    assert color_objects, "the loose thresholds should keep some color-clause objects"
+    assert all(d.color in COLORS for d in color_objects)
     for dets in outcomes[0].objects.values():
         assert all(d.mask.shape == (48, 48) and d.mask.any() for d in dets)
         assert [d.score for d in dets] == sorted((d.score for d in dets), reverse=True)
@@ -333,19 +333,19 @@ def test_real_tiny_models_end_to_end(weights):
     assert strict.isnan().tolist() == scores.isnan().tolist()
 
 
-def test_colour_classifier_is_the_renormalised_template_mean(weights):
+def test_color_classifier_is_the_renormalised_template_mean(weights):
     reward = GenEval(**weights, **LOOSE)
     assert reward.to("cpu") is reward
-    classifier = reward._colour_classifier("cat")
-    assert classifier.shape == (len(COLOURS), 12)  # the tiny CLIP projects to 12
-    torch.testing.assert_close(classifier.norm(dim=-1), torch.ones(len(COLOURS)))
+    classifier = reward._color_classifier("cat")
+    assert classifier.shape == (len(COLORS), 12)  # the tiny CLIP projects to 12
+    torch.testing.assert_close(classifier.norm(dim=-1), torch.ones(len(COLORS)))
     texts = [
         "a photo of a green cat",
         "a photo of a green-colored cat",
         "a photo of a green object",
     ]
     mean = reward._clip_model().text_features(texts).mean(0)
-    torch.testing.assert_close(classifier[COLOURS.index("green")], mean / mean.norm())
+    torch.testing.assert_close(classifier[COLORS.index("green")], mean / mean.norm())
 
 
 def test_non_square_images_keep_full_size_masks(weights):
@@ -437,7 +437,7 @@ def test_missing_weights_raise_with_instructions(weights, tmp_path, monkeypatch)
         GenEvalStrict(path=tmp_path)
     with pytest.raises(MissingWeightsError, match="clip-vit-large-patch14"):
         GenEval(path=weights["path"], clip_path=tmp_path / "no_clip")
-    # Without clip_path the reward works until a prompt names a colour.
+    # Without clip_path the reward works until a prompt names a color.
     reward = GenEval(path=weights["path"], detector_size=64)
     monkeypatch.setattr(reward, "detect", fake_detections({"cat": [(0, 0, 8, 8)]}))
     assert reward(images(1), ["p"], [METAS[0]]).item() == 0.0

@@ -107,7 +107,7 @@ def test_full_mode_has_every_row_the_issue_names():
 
 
 def test_cost_runs_train_fewer_epochs_than_the_budget(tmp_path):
-    from mogradient_diffusion.config.loading import load_config
+    from mogradient_diffusion.training_config import load_config
 
     for method in cost_methods():
         config = load_config(
@@ -121,8 +121,8 @@ def test_cost_runs_train_fewer_epochs_than_the_budget(tmp_path):
 @pytest.mark.parametrize("reward", TRAIN_REWARDS)
 def test_specialists_train_on_every_prompt_their_reward_scores_and_no_other(tmp_path, reward):
     import miniature  # noqa: F401
-    from mogradient_diffusion.config.loading import load_config
     from mogradient_diffusion.rewards.registry import make_reward
+    from mogradient_diffusion.training_config import load_config
 
     method = next(m for m in methods(MODES["full"]) if m.key == f"single_{reward}")
     config = load_config(
@@ -147,7 +147,7 @@ def test_specialists_train_on_every_prompt_their_reward_scores_and_no_other(tmp_
     ("objective", "strategy"), [("flow_grpo", "weighted_sum"), ("sdpo", "marble")]
 )
 def test_objective_rows_are_valid_recipes(tmp_path, objective, strategy):
-    from mogradient_diffusion.config.loading import load_config
+    from mogradient_diffusion.training_config import load_config
 
     method = next(m for m in objective_methods() if m.key == f"{objective}_{strategy}")
     config = load_config(

@@ -14,9 +14,9 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not installed; `python -m pytest
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.mini.gradient_noise import GradientPairs, collect, noise_statistics  # noqa: E402
-from mogradient_diffusion.config.loading import load_config  # noqa: E402
 from mogradient_diffusion.training.distributed import World  # noqa: E402
 from mogradient_diffusion.training.trainer import Trainer  # noqa: E402
+from mogradient_diffusion.training_config import load_config  # noqa: E402
 
 
 def _synthetic(mu_norm: float, image_std: float, draw_std: float) -> GradientPairs:

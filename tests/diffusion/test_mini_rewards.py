@@ -1,7 +1,7 @@
 """The miniature's detector and rule rewards on ``world`` renders: right scenes, wrong ones.
 
 Clean renders of scenes that satisfy their prompt must score 1 on every reward that
-applies and NaN on the rest; scenes with a shape missing, colours swapped or positions
+applies and NaN on the rest; scenes with a shape missing, colors swapped or positions
 swapped must score what GenEval's rules give by hand; mild blur and noise (a stand-in
 for the tiny model's imperfect samples) must mostly still read correctly. Rates are
 measured on seeded scenes and printed (``pytest -s``) next to the floors they must meet.
@@ -82,15 +82,15 @@ def score_all(
 
 def detected(image: Image.Image) -> list[tuple[str, str]]:
     kept = [d for d in detect_shapes(np.asarray(image)) if d.score > 0.3]
-    return sorted((d.label, d.colour) for d in kept)
+    return sorted((d.label, d.color) for d in kept)
 
 
 def truth(scene: world.Scene) -> list[tuple[str, str]]:
-    return sorted((s.shape, s.colour) for s in scene.shapes)
+    return sorted((s.shape, s.color) for s in scene.shapes)
 
 
 def exact_rate(pairs, size: int, blur: float = 0.0, noise: float = 0.0) -> float:
-    """Share of scenes whose detections (shape, colour) are exactly the drawn shapes."""
+    """Share of scenes whose detections (shape, color) are exactly the drawn shapes."""
     rng = np.random.default_rng(0)
     hits = 0
     for _, scene in pairs:
@@ -113,7 +113,7 @@ def test_each_shape_fits_its_own_template_clearly_best():
         assert label == name and score == 1.0 and ious[name] > 0.95 and others < 0.9
 
 
-def test_detect_shapes_finds_label_colour_box_and_mask():
+def test_detect_shapes_finds_label_color_box_and_mask():
     scene = world.Scene(
         shapes=[
             world.Shape("square", "red", 16, 16, 14),
@@ -122,7 +122,7 @@ def test_detect_shapes_finds_label_colour_box_and_mask():
         ]
     )
     dets = detect_shapes(np.asarray(world.render(scene)))
-    assert sorted((d.label, d.colour) for d in dets) == [
+    assert sorted((d.label, d.color) for d in dets) == [
         ("circle", "blue"),
         ("square", "red"),
         ("triangle", "yellow"),
@@ -146,11 +146,11 @@ def test_blank_images_signs_and_off_palette_blobs_hold_no_shapes():
     assert detect_shapes(np.asarray(world.render(tiny))) == []  # under min_area
 
 
-def test_component_labels_split_colours_and_join_diagonals():
+def test_component_labels_split_colors_and_join_diagonals():
     classes = -np.ones((2, 6, 6), dtype=np.int64)
     classes[0, 0:2, 0:2] = 0
     classes[0, 2, 2] = 0  # touches diagonally: same component
-    classes[0, 0:2, 2:4] = 1  # touches, other colour: its own component
+    classes[0, 0:2, 2:4] = 1  # touches, other color: its own component
     classes[0, 5, 5] = 0
     classes[1, 0:2, 0:2] = 0  # same pixels in another image: its own component
     labels = component_labels(classes)
@@ -226,7 +226,7 @@ def test_counting_scenes_one_short_or_one_over_score_by_hand(count):
     prompt = first("counting", lambda p: p.metadata["include"][0]["count"] == count)
     scene = world.sample_scene(prompt, random.Random(count))
     short = dataclasses.replace(scene, shapes=scene.shapes[:-1])
-    extra_shape = world.Shape(scene.shapes[0].shape, scene.shapes[0].colour, 0, 0, 10)
+    extra_shape = world.Shape(scene.shapes[0].shape, scene.shapes[0].color, 0, 0, 10)
     over = None
     for x, y in ((8, 8), (56, 8), (8, 56), (56, 56), (32, 8), (8, 32), (56, 32), (32, 56)):
         moved = dataclasses.replace(extra_shape, x=x, y=y)
@@ -242,22 +242,22 @@ def test_counting_scenes_one_short_or_one_over_score_by_hand(count):
     assert scores["mini_binding_strict"].tolist() == [0.0, 1.0]
 
 
-def test_counting_the_wrong_shape_or_colour_finds_nothing():
+def test_counting_the_wrong_shape_or_color_finds_nothing():
     prompt = first("counting", lambda p: p.metadata["include"][0]["count"] == 2)
     scene = world.sample_scene(prompt, random.Random(0))
     entry = prompt.metadata["include"][0]
     other_shape = next(s for s in world.SHAPES if s != entry["class"])
-    other_colour = next(c for c in world.COLOURS if c != entry["color"])
+    other_color = next(c for c in world.COLORS if c != entry["color"])
     wrong_shape = [dataclasses.replace(s, shape=other_shape) for s in scene.shapes]
-    wrong_colour = [dataclasses.replace(s, colour=other_colour) for s in scene.shapes]
-    images = [world.render(world.Scene(shapes=shapes)) for shapes in (wrong_shape, wrong_colour)]
+    wrong_color = [dataclasses.replace(s, color=other_color) for s in scene.shapes]
+    images = [world.render(world.Scene(shapes=shapes)) for shapes in (wrong_shape, wrong_color)]
     scores = score_all(images, [prompt, prompt])
-    # the rule term finds nothing; the blob term still counts the right colour's blobs
+    # the rule term finds nothing; the blob term still counts the right color's blobs
     assert scores["mini_count"].tolist() == [0.5, 0.0]
     assert scores["mini_binding_strict"].tolist() == [0.0, 0.0]
 
 
-def test_swapped_colours_fail_binding_and_keep_the_blob_term():
+def test_swapped_colors_fail_binding_and_keep_the_blob_term():
     prompt = first(
         "color_attr",
         lambda p: p.metadata["include"][0]["color"] != p.metadata["include"][1]["color"],
@@ -265,11 +265,11 @@ def test_swapped_colours_fail_binding_and_keep_the_blob_term():
     scene = world.sample_scene(prompt, random.Random(0))
     a, b = scene.shapes
     swapped = world.Scene(
-        shapes=[dataclasses.replace(a, colour=b.colour), dataclasses.replace(b, colour=a.colour)]
+        shapes=[dataclasses.replace(a, color=b.color), dataclasses.replace(b, color=a.color)]
     )
     scores = score_all([world.render(scene), world.render(swapped)], [prompt, prompt])
     assert scores["mini_binding_strict"].tolist() == [1.0, 0.0]
-    # graded GenEval per entry: count 1, colour 0 -> 0.5; blob term: both colours there -> 1
+    # graded GenEval per entry: count 1, color 0 -> 0.5; blob term: both colors there -> 1
     assert scores["mini_binding"].tolist() == pytest.approx([1.0, 0.75])
 
 
@@ -286,8 +286,8 @@ def test_swapped_positions_fail_binding_strict_and_lose_the_position_term(relati
     )
     scores = score_all([world.render(scene), world.render(swapped)], [prompt, prompt])
     assert scores["mini_binding_strict"].tolist() == [1.0, 0.0]
-    # graded GenEval: target count 1, colour 1; mover count 1, colour 1, position 0 -> 4 / 5;
-    # blob term: both colours 1, relation 0 -> 2 / 3
+    # graded GenEval: target count 1, color 1; mover count 1, color 1, position 0 -> 4 / 5;
+    # blob term: both colors 1, relation 0 -> 2 / 3
     assert scores["mini_binding"].tolist() == pytest.approx([1.0, (0.8 + 2 / 3) / 2])
 
 
@@ -299,7 +299,7 @@ def test_a_blank_image_scores_zero_on_every_applicable_reward():
         assert applicable.size and (applicable == 0).all(), name
 
 
-def test_count_helpers_match_colour_and_shape():
+def test_count_helpers_match_color_and_shape():
     prompt = first("counting", lambda p: p.metadata["include"][0]["count"] == 3)
     scene = world.sample_scene(prompt, random.Random(0))
     objects = select_objects(detect_shapes(np.asarray(world.render(scene))))
@@ -349,8 +349,8 @@ def test_ocr_strict_reads_the_sign_words_and_rejects_wrong_or_blank_signs():
     assert torch.isnan(reward(to_tensor(images[:1]), ["x"])).all()
 
 
-def test_blob_terms_count_colours_whatever_the_shape_or_score():
-    """A shapeless blob of the asked colour earns the blob terms of the training rewards."""
+def test_blob_terms_count_colors_whatever_the_shape_or_score():
+    """A shapeless blob of the asked color earns the blob terms of the training rewards."""
     mask = np.zeros((64, 64), dtype=bool)
     blob = Detection("circle", 0.05, (10.0, 10.0, 20.0, 20.0), mask, "red")  # under 0.3
     other = Detection("square", 0.9, (40.0, 12.0, 50.0, 22.0), mask, "blue")

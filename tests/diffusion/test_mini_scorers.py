@@ -99,7 +99,8 @@ def test_alignment_prefers_the_matching_prompt(rewards: dict, fresh: dict) -> No
     wins, total = 0, 0
     for image, prompt in zip(fresh["clean"], fresh["prompts"], strict=True):
         mismatches = train_scorers.mismatched_prompts(prompt, rng)
-        wrong = [mismatches[k] for k in ("colour", "shape", "count", "word") if k in mismatches]
+        kinds = (train_scorers.COLOR_KIND, "shape", "count", "word")
+        wrong = [mismatches[k] for k in kinds if k in mismatches]
         scores = reward(image[None].expand(1 + len(wrong), -1, -1, -1), [prompt.text, *wrong])
         assert ((scores >= -1) & (scores <= 1)).all()
         wins += int((scores[0] > scores[1:]).sum())

@@ -8,9 +8,10 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from mogradient_diffusion.config.loading import ConfigError, StrategyConfig, load_config
+from mogradient_diffusion.advantages import weighted_reward
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.objectives import (
+    OBJECTIVES,
     Objective,
     StepMetrics,
     TrainPiece,
@@ -19,9 +20,10 @@ from mogradient_diffusion.objectives import (
     objective_class,
 )
 from mogradient_diffusion.objectives.nft import NFTObjective, NFTRollout, NFTSettings
-from mogradient_diffusion.training.advantages import weighted_reward
-from mogradient_diffusion.training.strategies import build_strategy
+from mogradient_diffusion.strategies import build_strategy
+from mogradient_diffusion.strategies.reward_weights import RewardWeightsSettings
 from mogradient_diffusion.training.trainer import has_signal, mask_objectives
+from mogradient_diffusion.training_config import ConfigError, load_config
 
 
 def test_registry_builds_nft_and_refuses_unknown_names_and_wrong_settings() -> None:
@@ -30,8 +32,17 @@ def test_registry_builds_nft_and_refuses_unknown_names_and_wrong_settings() -> N
     assert isinstance(objective, Objective) and objective.settings.beta == 0.5
     with pytest.raises(UnknownObjectiveError, match="unknown objective 'ppo'"):
         objective_class("ppo")
+    with pytest.raises(UnknownObjectiveError, match="did you mean 'flow_grpo'"):
+        objective_class("flowgrpo")
     with pytest.raises(TypeError, match="takes NFTSettings"):
-        build_objective("nft", StrategyConfig())
+        build_objective("nft", RewardWeightsSettings())
+
+
+def test_each_objective_is_registered_under_its_own_name() -> None:
+    """The registry imports a module on first use; the class it finds has that name."""
+    assert list(OBJECTIVES) == ["nft", "flow_grpo", "sdpo"]
+    for name in OBJECTIVES:
+        assert objective_class(name).name == name
 
 
 def test_objective_section_is_the_objectives_own_settings() -> None:
@@ -186,7 +197,8 @@ def test_silent_objectives_are_found_per_sample_and_per_step() -> None:
 def test_scalar_strategies_map_per_step_rewards_like_per_sample_ones() -> None:
     rewards = torch.rand(3, 4, 2, generator=torch.Generator().manual_seed(0))
     rewards[1, 2, 0] = float("nan")
-    strategy = build_strategy(StrategyConfig(name="weighted_sum", weights=[2.0, 1.0]), ["a", "b"])
+    settings = RewardWeightsSettings(weights=[2.0, 1.0])
+    strategy = build_strategy("weighted_sum", settings, ["a", "b"])
     mapped = strategy.objective_rewards(rewards, epoch=0)
     assert mapped.shape == (3, 4, 1)
     for step in range(4):

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from mogradient.gradients import combinable_gradients
-from mogradient_diffusion.config.loading import ConfigError, load_config
+from mogradient.engines import combinable_gradients
 from mogradient_diffusion.runs.metrics_log import read_metrics
+from mogradient_diffusion.strategies.release_marble import MicroStepMarble
 from mogradient_diffusion.training.distributed import World
-from mogradient_diffusion.training.release_marble import MicroStepMarble
 from mogradient_diffusion.training.trainer import Trainer
+from mogradient_diffusion.training_config import ConfigError, load_config
 
 REWARDS = ["a", "b", "c", "d"]
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mogradient_diffusion.config.loading import TrainingConfig, load_config
 from mogradient_diffusion.model.families.sd3 import SD3
 from mogradient_diffusion.model.policy import LoraSpec, Policy
 from mogradient_diffusion.model.schedules import sampler_sigmas
 from mogradient_diffusion.sampling.solver import integrate
+from mogradient_diffusion.training_config import TrainingConfig, load_config
 
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "sd35m_marble_5r.yaml"
 GPUS = 16  # scripts/train.sh: 2 nodes x 8 (the recipe's docstring, nft.py:21)
@@ -42,7 +42,8 @@ def recipe() -> TrainingConfig:
 
 
 def test_the_recipe_holds_the_release_numbers(recipe: TrainingConfig) -> None:
-    rollout, train, lora, strategy = recipe.rollout, recipe.train, recipe.lora, recipe.strategy
+    rollout, train, lora = recipe.rollout, recipe.train, recipe.lora
+    marble = recipe.strategy.settings
     nft = recipe.objective.settings
     assert recipe.model.family in ("auto", "sd3")  # SD3.5-Medium (nft.py:25)
     assert recipe.model.tf32 is True  # allow_tf32 (base.py:25; train.py:722-724)
@@ -77,15 +78,15 @@ def test_the_recipe_holds_the_release_numbers(recipe: TrainingConfig) -> None:
     assert nft.form == "x0_adaptive"  # train.py:318-341
     assert nft.adaptive_weight_floor == 1e-5  # .clip(min=0.00001) (train.py:326, 335)
     assert nft.advantage_std == "global"  # sample.global_std (base.py:59)
-    assert strategy.name == "marble"  # pareto.enabled, method "mgda" (nft.py:55-56)
-    assert strategy.period == 10  # amortize_every_n (nft.py:61)
-    assert strategy.warmup_steps == 1  # amortize_warmup (nft.py:62)
-    assert strategy.rho == 0.7  # alpha_ema_decay (nft.py:63)
-    assert strategy.normalize is True  # normalize_grads (nft.py:57)
-    assert strategy.solve_scope == "micro_step"  # the cache per micro-step (train.py:1481-1493)
+    assert recipe.strategy.name == "marble"  # pareto.enabled, method "mgda" (nft.py:55-56)
+    assert marble.period == 10  # amortize_every_n (nft.py:61)
+    assert marble.warmup_steps == 1  # amortize_warmup (nft.py:62)
+    assert marble.rho == 0.7  # alpha_ema_decay (nft.py:63)
+    assert marble.normalize is True  # normalize_grads (nft.py:57)
+    assert marble.solve_scope == "micro_step"  # the cache per micro-step (train.py:1481-1493)
     # The solve micro-step applies the fresh direction, not the EMA (train.py:1729).
-    assert not strategy.smooth_solve_steps
-    assert not strategy.fixed_alpha  # equal_alpha is the ablation (nft.py:71-76)
+    assert not marble.smooth_solve_steps
+    assert not marble.fixed_alpha  # equal_alpha is the ablation (nft.py:71-76)
     # reward_fn: five rewards, weight 1.0 each (nft.py:46-52); hpsv2 is HPS v2.1 here.
     rewards = [reward.name for reward in recipe.rewards]
     assert rewards == ["pickscore", "hpsv21", "clipscore", "ocr", "geneval"]

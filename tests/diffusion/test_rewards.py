@@ -1,4 +1,4 @@
-"""Rewards: the validated interface, registry, RewardSet, OCR on rendered text, JPEG, colour
+"""Rewards: the validated interface, registry, RewardSet, OCR on rendered text, JPEG, color
 and count checks on synthetic images."""
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from mogradient.registry import Registry
 from mogradient_diffusion.rewards import (
     REWARDS,
     ColorMatch,
     CountMatch,
+    HpsV21,
+    PickScore,
     Reward,
     RewardError,
     RewardSet,
@@ -143,14 +146,20 @@ def test_registry(monkeypatch):
     assert isinstance(make_reward("color_match", min_share=0.1), ColorMatch)
     with pytest.raises(KeyError, match=r"unknown reward 'nope'.*color_match"):
         make_reward("nope")
+    with pytest.raises(KeyError, match=r"did you mean 'color_match'"):
+        make_reward("colr_match")
     with pytest.raises(TypeError, match="reward 'color_match': bad options"):
-        make_reward("color_match", colour=1)
+        make_reward("color_match", color=1)
 
-    monkeypatch.setattr(registry_module, "REWARDS", dict(REWARDS))
+    fresh = Registry("reward")
+    for name, cls in REWARDS.items():
+        fresh.add(name, cls, cls.aliases)
+    monkeypatch.setattr(registry_module, "REWARDS", fresh)
 
     @register_reward
     class Mine(Constant):
         name = "mine"
+        aliases = ("my_old_name",)
 
     assert isinstance(registry_module.make_reward("mine"), Mine)
     with pytest.raises(ValueError, match="already taken"):
@@ -158,6 +167,33 @@ def test_registry(monkeypatch):
         @register_reward
         class Other(Constant):
             name = "mine"
+
+    with pytest.raises(ValueError, match="not lower snake case"):
+
+        @register_reward
+        class Camel(Constant):
+            name = "MyReward"
+
+
+def test_old_spellings_name_the_same_reward_and_stay_its_name(monkeypatch):
+    """A run configured with ``pickscore`` builds PickScore and keys its metrics
+    ``pickscore``: the reward keeps the name the config wrote."""
+    renamed = {"pickscore": "pick_score", "clipscore": "clip_score", "hpsv21": "hps_v21"}
+    assert {old: REWARDS.canonical(old) for old in renamed} == renamed
+    assert REWARDS["pickscore"] is PickScore and REWARDS["hpsv21"] is HpsV21
+    assert "pickscore" not in list(REWARDS)  # iteration: each reward once, by its name
+
+    fresh = Registry("reward")
+    monkeypatch.setattr(registry_module, "REWARDS", fresh)
+
+    @register_reward
+    class Renamed(Constant):
+        name = "new_name"
+        aliases = ("newname",)
+
+    old, new = registry_module.make_reward("newname"), registry_module.make_reward("new_name")
+    assert isinstance(old, Renamed) and (old.name, new.name) == ("newname", "new_name")
+    assert RewardSet([old]).names == ("newname",)
 
 
 # --- OCR ----------------------------------------------------------------------------------
@@ -278,7 +314,7 @@ def test_jpeg_sizes_match_pillow_and_order_images():
         make_reward("jpeg_compressibility", quality=0)
 
 
-# --- colour and count ---------------------------------------------------------------------
+# --- color and count ---------------------------------------------------------------------
 
 
 PALETTE = {

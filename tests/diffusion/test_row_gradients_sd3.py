@@ -16,12 +16,11 @@ import pytest
 import torch
 from diffusers.models.normalization import RMSNorm
 
-from mogradient.gradients import accumulate_gradients, flat_gradient
-from mogradient.row_gradients import RowGradients
-from mogradient_diffusion.config.loading import load_config
+from mogradient.engines import RowGradients, accumulate_gradients, flat_gradient
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.trainer import Trainer
+from mogradient_diffusion.training_config import load_config
 
 from .rollouts import first_rollout
 

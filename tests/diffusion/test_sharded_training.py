@@ -126,7 +126,7 @@ def test_sharded_frozen_weights_train_as_the_replicated_run(tmp_path: Path, fami
 
 
 def test_sharding_without_torchrun_is_a_config_error() -> None:
-    from mogradient_diffusion.config.loading import ConfigError, load_config
+    from mogradient_diffusion.training_config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"model\.shard=fsdp2 .* torchrun --nproc_per_node"):
         load_config(preset="tiny", overrides=["model.shard=fsdp2"])

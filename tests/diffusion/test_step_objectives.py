@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config.loading import ConfigError, load_config
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.objectives.flow_grpo import FlowGRPOObjective, FlowGRPOSettings
@@ -21,6 +20,7 @@ from mogradient_diffusion.objectives.step_rollout import StepRollout
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.sampling.rollout import guided_velocity, paired_noise
 from mogradient_diffusion.sampling.solver import integrate
+from mogradient_diffusion.training_config import ConfigError, load_config
 
 SIGMAS = torch.tensor([1.0, 0.8, 0.55, 0.3, 0.0])  # float32, as the sampler schedules
 ETA = 0.7

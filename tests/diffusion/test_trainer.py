@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from mogradient.gradients import accumulate_gradients
-from mogradient.harmonizers.base import combine
+from mogradient.engines import accumulate_gradients
+from mogradient.harmonizers import combine
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.objectives import StepMetrics, TrainPiece
 from mogradient_diffusion.objectives.flow_grpo import FlowGRPOSettings
 from mogradient_diffusion.objectives.nft_loss import NFTSettings
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.trainer import EpochData, Trainer, TrainerCallback
+from mogradient_diffusion.training_config import load_config
 
 from .rollouts import first_rollout
 
@@ -262,21 +262,8 @@ def _recipe_world_size(recipe: Path) -> int:
 
 @pytest.mark.parametrize("recipe", sorted(Path("configs").glob("*.yaml")), ids=str)
 def test_shipped_recipes_validate(recipe: Path) -> None:
-    from mogradient_diffusion.config import loading as config_module
-    from mogradient_diffusion.rewards import REWARDS
-
     world_size = _recipe_world_size(recipe)
-    missing = sorted({"pickscore", "hpsv21", "clipscore", "geneval"} - set(REWARDS))
-    if missing:  # the model-based rewards are registered by the rewards issue
-        with pytest.raises(config_module.ConfigError, match=r"unknown reward\(s\)"):
-            load_config(recipe, world_size=world_size)
-        # Everything else in the recipe must validate: register stand-in names only.
-        placeholders = dict.fromkeys(missing, object)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("mogradient_diffusion.rewards.REWARDS", {**REWARDS, **placeholders})
-            config = load_config(recipe, world_size=world_size)
-    else:
-        config = load_config(recipe, world_size=world_size)
+    config = load_config(recipe, world_size=world_size)
     if not recipe.name.startswith("sd35m_"):
         return  # the other families' values: test_family_recipes_hold_their_headers_values
     assert config.rollout.images_per_prompt == 24
@@ -340,9 +327,9 @@ def test_family_recipes_hold_their_headers_values(family: str, strategy: str) ->
     images = rollout.prompts_per_epoch * rollout.images_per_prompt // world_size
     assert images // (train.batch_size * train.gradient_accumulation) == 2
     if strategy == "marble":
-        assert (config.strategy.period, config.strategy.rho) == (10, 0.7)
+        assert (config.strategy.settings.period, config.strategy.settings.rho) == (10, 0.7)
     else:
-        assert config.strategy.weights == [1.0] * len(config.rewards) == [1.0] * 5
+        assert config.strategy.settings.weights == [1.0] * len(config.rewards) == [1.0] * 5
 
 
 def _command(run_dir: Path, *extra: str) -> list[str]:
@@ -426,7 +413,7 @@ def test_killed_run_resumes_and_reproduces_the_uninterrupted_one(tmp_path: Path)
     ],
 )
 def test_invalid_settings_are_rejected_up_front(override: str, message: str) -> None:
-    from mogradient_diffusion.config.loading import ConfigError
+    from mogradient_diffusion.training_config import ConfigError
 
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         load_config(preset="tiny", overrides=[override])
@@ -520,13 +507,12 @@ def test_an_engine_that_disagrees_is_replaced_by_k_backward_passes(
 ) -> None:
     """A model the per-row engine gets wrong (here: its check made to fail) trains on with
     K backward passes from that very step, with a warning, never with the wrong stack."""
-    from mogradient.row_gradients import RowGradientError
-    from mogradient_diffusion.training import step_gradients
+    from mogradient.engines import RowGradientError, _checked
 
     def disagree(*args, **kwargs):
         raise RowGradientError("planted disagreement")
 
-    monkeypatch.setattr(step_gradients, "check_close", disagree)
+    monkeypatch.setattr(_checked, "check_close", disagree)
     run = tmp_path / "run"
     overrides = [f"run.directory={run}", "run.quiet=true", "train.epochs=1", "strategy.period=1"]
     assert main(["train", "--preset", "tiny", *overrides]) == 0
@@ -541,7 +527,7 @@ def test_an_engine_that_refuses_the_model_is_replaced_by_k_backward_passes(
 ) -> None:
     """The per-row engine refusing a model mid-pass (it would get its rows wrong) does not
     stop the run: the step is replayed with K backward passes, with a warning."""
-    from mogradient.row_gradients import RowGradientError, RowGradients
+    from mogradient.engines import RowGradientError, RowGradients
 
     def refuse(*args, **kwargs):
         raise RowGradientError("planted refusal")

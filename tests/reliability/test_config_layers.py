@@ -12,12 +12,8 @@ import pytest
 
 from mogradient.harmonizers import HARMONIZERS
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config.loading import (
-    NOT_STRATEGIES,
-    TINY_PRESET,
-    ConfigError,
-    load_config,
-)
+from mogradient_diffusion.strategies.harmonizer import unfit_reason
+from mogradient_diffusion.training_config import TINY_PRESET, ConfigError, load_config
 
 from .conftest import train_arguments
 
@@ -138,9 +134,10 @@ def test_a_bool_option_takes_a_bool(name: str, option: str, value) -> None:
     assert bool(value) in stored
 
 
-@pytest.mark.parametrize(
-    ("name", "option"), [item for item in BOOL_OPTIONS if item[0] not in NOT_STRATEGIES]
-)
+TRAINABLE_BOOL_OPTIONS = [item for item in BOOL_OPTIONS if not unfit_reason(HARMONIZERS[item[0]])]
+
+
+@pytest.mark.parametrize(("name", "option"), TRAINABLE_BOOL_OPTIONS)
 def test_a_quoted_false_in_strategy_options_is_refused(name: str, option: str) -> None:
     overrides = [f"strategy.name={name}", f'strategy.options={{{option}: "false"}}']
     with pytest.raises(ConfigError, match=f"{option} must be True or False, got 'false'"):
@@ -159,7 +156,8 @@ def test_a_quoted_false_in_a_config_file_is_one_line(
 
 def test_an_unquoted_false_in_strategy_options_is_a_bool() -> None:
     options = ["strategy.name=mgda", "strategy.options={normalize: false}"]
-    assert load_config(preset="tiny", overrides=options).strategy.options == {"normalize": False}
+    config = load_config(preset="tiny", overrides=options)
+    assert config.strategy.settings.options == {"normalize": False}
 
 
 # --- paths: ~ and $VAR --------------------------------------------------------------------

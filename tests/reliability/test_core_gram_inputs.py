@@ -15,15 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from mogradient import HARMONIZERS, Amortizer, make_harmonizer, solve_cone_qp, solve_simplex_qp
+from mogradient import HARMONIZERS, Amortizer, make_harmonizer
 from mogradient._gram import gram_tolerance
+from mogradient.qp import solve_cone_qp, solve_simplex_qp
 
 NAN, INF = math.nan, math.inf
-SEEDED = ("gradvac", "pcgrad", "rlw", "graddrop")
-# Methods that accept gram= at all (the others need the stack and say so: test_harmonizers_core).
+SEEDED = ("grad_vac", "pcgrad", "rlw", "grad_drop")
+# Methods that accept gram= at all (the others need the stack and say so:
+# tests/harmonizers/test_contract.py).
 GRAM_METHODS = sorted(name for name, cls in HARMONIZERS.items() if not cls.needs_stack)
 # Krum and TrimmedMean need at least 3 usable gradients; a dropped one leaves 2 here.
-AT_LEAST_THREE = ("krum", "trimmedmean")
+AT_LEAST_THREE = ("krum", "trimmed_mean")
 TOLERANCE = gram_tolerance(torch.float32)
 BAD_GRAMS = {
     "nan_off_diagonal": ([[1.0, NAN, 0.0], [NAN, 1.0, 0.0], [0.0, 0.0, 1.0]], "NaN or Inf"),
@@ -38,7 +40,7 @@ BAD_GRAMS = {
     "products_of_a_zero_gradient": ([[0.0, 1.0], [1.0, 1.0]], "Cauchy-Schwarz"),
     "not_square": ([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], "square"),
 }
-FIX = "Pass the stack itself, or compute the Gram with mogradient.gram_matrix(J)."
+FIX = "Pass the stack itself, or compute the Gram with mogradient.qp.gram_matrix(J)."
 
 
 def build(name: str) -> object:

@@ -7,7 +7,7 @@ import torch
 
 from mogradient import make_harmonizer
 
-GRAM_METHODS = ("mgda", "cagrad", "upgrad", "dualproj", "pcgrad", "imtlg", "nashmtl")
+GRAM_METHODS = ("mgda", "cagrad", "upgrad", "dual_proj", "pcgrad", "imtl_g", "nash_mtl")
 
 
 @pytest.mark.parametrize("name", GRAM_METHODS)

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from mogradient import MGDA, SolverError, make_harmonizer
+from mogradient import SolverError, make_harmonizer
 from mogradient._qp import simplex_kkt_residual, solve_simplex_qp
+from mogradient.harmonizers import MGDA
 
 EPS = float(np.finfo(np.float64).eps)
 # Found in the issue: the large third row hid the conflict of d = g_0 with g_1.

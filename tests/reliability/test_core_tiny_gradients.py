@@ -21,9 +21,9 @@ from .test_core_simplex_qp import exact_min_norm_point
 
 EPS64 = torch.finfo(torch.float64).eps
 EPS32 = torch.finfo(torch.float32).eps
-SEEDED = ("gradvac", "pcgrad", "rlw", "graddrop")
+SEEDED = ("grad_vac", "pcgrad", "rlw", "grad_drop")
 # Krum and TrimmedMean need at least 3 gradients; the two-row stacks here have 2.
-AT_LEAST_THREE = ("krum", "trimmedmean")
+AT_LEAST_THREE = ("krum", "trimmed_mean")
 # 2^-560: a float64 row of norm ~1 becomes ~1e-169, whose square is below float64's
 # smallest subnormal (5e-324).
 TINY = 2.0**-560
@@ -113,7 +113,7 @@ def test_a_stack_below_the_squared_range_gives_the_scaled_answer(name: str) -> N
     reference = build_here(name)(stack)
     tiny = build_here(name)(stack * TINY)
     assert tiny.dropped == () and tiny.fallback == reference.fallback
-    factor = 1.0 if name in ("nashmtl", "fairgrad") else TINY
+    factor = 1.0 if name in ("nash_mtl", "fair_grad") else TINY
     expected = reference.direction * factor
     # The two paths round the Gram differently (products of rescaled rows): eps-level
     # differences, amplified by at most the cosine matrix's conditioning (here < 10).
@@ -139,8 +139,8 @@ def mixed_stack() -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("name", "options"),
-    [("mgda", {}), ("mgda", {"normalize": False}), ("upgrad", {}), ("dualproj", {})],
-    ids=["mgda", "plain-mgda", "upgrad", "dualproj"],
+    [("mgda", {}), ("mgda", {"normalize": False}), ("upgrad", {}), ("dual_proj", {})],
+    ids=["mgda", "plain-mgda", "upgrad", "dual_proj"],
 )
 def test_conflict_free_methods_respect_a_gradient_1e160_times_smaller(
     name: str, options: dict

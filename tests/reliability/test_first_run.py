@@ -7,10 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from mogradient_diffusion.config.loading import load_config
 from mogradient_diffusion.prompts.stream import BUILT_IN_SOURCES
 from mogradient_diffusion.rewards import colors_in_prompt
 from mogradient_diffusion.training.records import progress_summary
+from mogradient_diffusion.training_config import load_config
 
 
 def test_every_built_in_prompt_names_a_colour_for_the_tiny_presets_color_match() -> None:

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config.loading import ConfigError, load_config
 from mogradient_diffusion.runs.checkpoint import (
     CorruptCheckpointError,
     latest_checkpoint,
@@ -21,6 +20,7 @@ from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.finite import NonFiniteError
 from mogradient_diffusion.training.trainer import Trainer
+from mogradient_diffusion.training_config import ConfigError, load_config
 
 from .conftest import train_arguments
 

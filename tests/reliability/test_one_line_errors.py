@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config.loading import ConfigError, load_config
-from mogradient_diffusion.config.model_limits import max_resolution
+from mogradient_diffusion.model.limits import max_resolution
 from mogradient_diffusion.rewards import Reward, register_reward
 from mogradient_diffusion.rewards.image_reward import convert_image_reward_checkpoint
 from mogradient_diffusion.rewards.open_clip_conversion import convert_open_clip_checkpoint
 from mogradient_diffusion.runs.metrics_log import RunLog, read_metrics
 from mogradient_diffusion.training.distributed import World
+from mogradient_diffusion.training_config import ConfigError, load_config
 
 from .conftest import train_arguments
 
@@ -85,7 +85,7 @@ def test_a_config_with_a_few_aliases_still_loads(tmp_path: Path) -> None:
         "rollout: &rollout {steps: 4}\n",
     )
     config = load_config(recipe, preset="tiny")
-    assert [stage.rewards for stage in config.strategy.stages] == [
+    assert [stage.rewards for stage in config.strategy.settings.stages] == [
         ["color_match", "jpeg_incompressibility"]
     ] * 2
 

@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config.loading import ConfigError, load_config
 from mogradient_diffusion.model.families.sd3 import SD3
 from mogradient_diffusion.runs.checkpoint import latest_checkpoint, load_checkpoint
 from mogradient_diffusion.runs.resume import check_resume
+from mogradient_diffusion.training_config import ConfigError, load_config
 
 from .conftest import train_arguments
 

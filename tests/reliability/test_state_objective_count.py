@@ -16,11 +16,11 @@ import torch
 from mogradient.harmonizers import HARMONIZERS, Harmonizer, RewardDropout, make_harmonizer
 from mogradient.scalarizations import SCALARIZATIONS, make_scalarization
 
-OPTIONS = {"crmogm": {"inner": "mgda"}} | {
-    name: {"seed": 0} for name in ("pcgrad", "rlw", "gradvac", "graddrop")
+OPTIONS = {"cr_mogm": {"inner": "mgda"}} | {
+    name: {"seed": 0} for name in ("pcgrad", "rlw", "grad_vac", "grad_drop")
 }
 # The registered methods that keep state per objective between calls.
-STATEFUL = ["crmogm", "excessmtl", "gradvac", "modo", "pcd", "sdmgrad"]
+STATEFUL = ["cr_mogm", "excess_mtl", "grad_vac", "modo", "pcd", "sdmgrad"]
 # State entries that are not per objective: the RNG, and the K of the rest.
 NOT_PER_OBJECTIVE = {"generator", "objectives"}
 
@@ -93,7 +93,7 @@ def test_a_state_for_another_count_is_refused_on_load(name: str) -> None:
 
 
 def test_reward_dropout_keeps_its_inner_methods_count() -> None:
-    dropout = RewardDropout(make_harmonizer("gradvac", seed=0), probability=0.5, seed=0)
+    dropout = RewardDropout(make_harmonizer("grad_vac", seed=0), probability=0.5, seed=0)
     dropout(stack(3))
     with pytest.raises(ValueError, match="state holds K=3 objectives, this call has 2"):
         dropout(stack(2))
@@ -106,7 +106,7 @@ def test_reward_dropout_keeps_its_inner_methods_count() -> None:
 
 
 SCALARIZATION_OPTIONS = {"stch": {"mu": 0.1}, "cosmos": {"lam": 1.0}}
-NEEDS_SHARED = {"gradnorm", "dbmtl", "imtl", "moco"}
+NEEDS_SHARED = {"grad_norm", "db_mtl", "imtl", "moco"}
 
 
 def scalarization(name: str, count: int) -> torch.nn.Module:

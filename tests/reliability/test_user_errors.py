@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mogradient_diffusion.cli import main
-from mogradient_diffusion.config.loading import load_config
+from mogradient_diffusion.training_config import load_config
 
 from .conftest import train_arguments
 
@@ -131,7 +131,7 @@ def test_a_bare_cuda_device_trains_on_this_ranks_gpu(monkeypatch) -> None:
 
 
 def test_a_gpu_index_this_machine_lacks_is_a_config_error(monkeypatch) -> None:
-    from mogradient_diffusion.config.loading import ConfigError
+    from mogradient_diffusion.training_config import ConfigError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

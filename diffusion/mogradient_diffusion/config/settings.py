@@ -2,8 +2,10 @@
 
 The parts of the trainer read the sections they need from here (sampling its
 ``RolloutConfig``, objectives the rollout and train sections they check), while
-``mogradient_diffusion.config.loading`` assembles them into one ``TrainingConfig``, loads and
-validates it: the config sits above the parts, and none of them imports it.
+``mogradient_diffusion.training_config`` assembles them into one ``TrainingConfig`` with
+the objective's and the strategy's own settings, loads and validates it: the loader sits
+above the parts, and none of them imports it. This room imports nothing else of the
+package, so any part may read it.
 """
 
 from __future__ import annotations
@@ -101,53 +103,6 @@ class TrainConfig:
 class RewardConfig:
     name: str
     options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class StageConfig:
-    rewards: list[str]
-    epochs: int
-
-
-@dataclass
-class StrategyConfig:
-    """Options a strategy does not use must stay unset (None / empty): ``STRATEGY_OPTIONS``.
-
-    None means "the strategy's own default" (``strategies.py``): MARBLE solves every 10
-    steps with rho 0.7, other harmonizers every step without smoothing.
-    """
-
-    # marble | weighted_sum | gdpo | sequential | single | reward_dropout | pcgrad |
-    # <harmonizer name>
-    name: str = "marble"
-    # weighted_sum / gdpo / reward_dropout: one per reward, finite, >= 0, not all 0;
-    # None = equal
-    weights: list[float] | None = None
-    reward: str | None = None  # single
-    stages: list[StageConfig] = field(default_factory=list)  # sequential
-    period: int | None = None  # full solve every N optimizer steps (1 = every step)
-    warmup_steps: int | None = None
-    rho: float | None = None  # EMA of cached weights (0 = none)
-    # Ablation: solve steps apply the EMA-smoothed weights, not the fresh solution.
-    smooth_solve_steps: bool | None = None
-    normalize: bool | None = None  # MGDA normalize-and-rescale (False: plain MGDA ablation)
-    # Ablation, equal alpha. Scope step: MGDA with alpha floored at 1/K on the unit
-    # gradients (still solving every period, for the norms). Scope micro_step: the
-    # release's equal_alpha, 1/K on the advantages, no per-reward gradient ever.
-    fixed_alpha: bool | None = None
-    # marble: "step" (ours: one solve on the whole step's gradients) or "micro_step" (as
-    # released: a solve covers the first micro-step of a solve step, training/release_marble.py)
-    solve_scope: str | None = None
-    # marble, the release's balancer options: alpha_floor (a bound inside the QP) and
-    # reward_weights (scale the unit gradients before the solve; one per objective)
-    alpha_lower_bound: float | None = None
-    unit_weights: list[float] | None = None
-    # marble, micro_step scope: rewards solved as one objective each (the release's
-    # reward_groups: the mean of their gradients; alpha / group size each when cached)
-    reward_groups: list[list[str]] = field(default_factory=list)
-    dropout_probability: float | None = None  # reward_dropout; default 0.3
-    dropout_warmup_steps: int | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # extra harmonizer options
 
 
 @dataclass

@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from mogradient.registry import Registry, UnknownNameError
 from mogradient_diffusion.evaluation.grid import save_grid
 from mogradient_diffusion.evaluation.inputs import check_lora, check_output_dir, resolve_device
 from mogradient_diffusion.model import pipeline_files
@@ -43,7 +44,10 @@ from mogradient_diffusion.rewards.background import BackgroundScoring
 from mogradient_diffusion.rewards.base import to_uint8_images
 
 PROMPT_SETS_DIR = Path(__file__).parents[1] / "prompts" / "eval_prompts"
-PROMPT_SETS = {"geneval": "geneval.jsonl", "ocr": "ocr.txt", "general": "general.txt"}
+PROMPT_SETS: Registry[Path] = Registry("prompt set")
+PROMPT_SETS.add("geneval", PROMPT_SETS_DIR / "geneval.jsonl")
+PROMPT_SETS.add("ocr", PROMPT_SETS_DIR / "ocr.txt")
+PROMPT_SETS.add("general", PROMPT_SETS_DIR / "general.txt")
 
 
 @dataclass
@@ -71,8 +75,8 @@ class EvalSettings:
 
     def validate(self) -> None:
         """Fail before any model loads: bad numbers, unknown metrics, missing prompt file."""
-        from mogradient_diffusion.config.loading import import_reward_modules
         from mogradient_diffusion.rewards import REWARDS
+        from mogradient_diffusion.training_config import import_reward_modules
 
         import_reward_modules(self.reward_modules)
         problems = _range_problems(self)
@@ -80,9 +84,11 @@ class EvalSettings:
             raise ValueError("invalid evaluation settings: " + "; ".join(problems))
         if not self.metrics:
             raise ValueError("no metrics given: pass --metrics with reward names")
-        unknown = sorted(set(self.metrics) - set(REWARDS))
-        if unknown:
-            raise ValueError(f"unknown metrics {unknown}; available: {', '.join(sorted(REWARDS))}")
+        for name in self.metrics:
+            try:
+                REWARDS.canonical(name)
+            except UnknownNameError as error:  # it names the closest rewards
+                raise ValueError(f"unknown metrics: {error}") from None
         extra = sorted(set(self.metric_options) - set(self.metrics))
         if extra:
             raise ValueError(f"options given for metrics not evaluated: {extra}")
@@ -123,7 +129,7 @@ def _range_problems(settings: EvalSettings) -> list[str]:
 def resolve_prompt_set(name_or_path: str) -> Path:
     """A shipped set's file, or the given path; FileNotFoundError names the choices."""
     if name_or_path in PROMPT_SETS:
-        return PROMPT_SETS_DIR / PROMPT_SETS[name_or_path]
+        return PROMPT_SETS[name_or_path]
     path = Path(name_or_path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(

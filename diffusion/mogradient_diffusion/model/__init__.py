@@ -1,1 +1,1 @@
-"""The trained model: Stable Diffusion 3 with LoRA adapters, and a tiny offline copy."""
+"""The trained model: SD3/SD3.5, FLUX.1 or Qwen-Image with LoRA adapters; tiny offline copies."""

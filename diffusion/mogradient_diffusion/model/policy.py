@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mogradient.sharding import is_shard, shard_frozen
+from mogradient.engines import is_shard, shard_frozen
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.model.families import Family
 from mogradient_diffusion.model.pipeline_files import AUTO, load_pipeline
@@ -186,7 +186,7 @@ class Policy:
         """Shard the frozen transformer over the process group (FSDP2), block by block.
 
         Both adapters stay whole on every process: ``default`` so that autograd reaches it
-        and per-reward gradients stay exact (:mod:`mogradient.sharding`), ``old`` so that
+        and per-reward gradients stay exact (:mod:`mogradient.engines._sharding`), ``old`` so that
         :meth:`update_old` stays a plain in-place update. Gradients are then averaged over
         processes by the caller, as without sharding.
         """

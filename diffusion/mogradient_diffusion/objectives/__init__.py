@@ -2,15 +2,16 @@
 
 ``objective: {name: nft, ...options}`` in a config picks one; its options are the fields
 of the objective's settings dataclass. Objectives live in their own modules and are
-imported on first use, so a module's dependencies load only when it is chosen. The
+imported on first use, so a module's dependencies load only when it is chosen; an unknown
+name fails with the choices and the closest ones (``UnknownObjectiveError``). The
 interface they implement is :class:`~mogradient_diffusion.objectives.base.Objective`.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from mogradient.registry import Registry, UnknownNameError
 from mogradient_diffusion.objectives.base import (
     Advantages,
     Objective,
@@ -23,40 +24,19 @@ from mogradient_diffusion.objectives.base import (
     TrainPiece,
 )
 
-# name -> "module:class"; the module defines the class with ``name`` equal to the key.
-OBJECTIVES: dict[str, str] = {
-    "nft": "mogradient_diffusion.objectives.nft:NFTObjective",
-    "flow_grpo": "mogradient_diffusion.objectives.flow_grpo:FlowGRPOObjective",
-    "sdpo": "mogradient_diffusion.objectives.sdpo:SDPOObjective",
-}
+# Each module defines its class with ``name`` equal to the name it is registered under.
+OBJECTIVES: Registry[type[Objective]] = Registry("objective")
+OBJECTIVES.add("nft", "mogradient_diffusion.objectives.nft:NFTObjective")
+OBJECTIVES.add("flow_grpo", "mogradient_diffusion.objectives.flow_grpo:FlowGRPOObjective")
+OBJECTIVES.add("sdpo", "mogradient_diffusion.objectives.sdpo:SDPOObjective")
 
-
-class UnknownObjectiveError(KeyError):
-    """An objective name that is not registered, or whose module is not available."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
+# The config loader catches an unknown objective under this name.
+UnknownObjectiveError = UnknownNameError
 
 
 def objective_class(name: str) -> type[Objective]:
     """The class registered under ``name``, imported on first use."""
-    if name not in OBJECTIVES:
-        raise UnknownObjectiveError(
-            f"unknown objective {name!r}; choose one of {sorted(OBJECTIVES)}"
-        )
-    module_name, _, class_name = OBJECTIVES[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name != module_name:
-            raise
-        raise UnknownObjectiveError(
-            f"objective {name!r} is registered but its module {module_name} is not there"
-        ) from None
-    cls = getattr(module, class_name)
-    if cls.name != name:
-        raise RuntimeError(f"{OBJECTIVES[name]} is named {cls.name!r}, registered as {name!r}")
-    return cls
+    return OBJECTIVES[name]
 
 
 def build_objective(name: str, settings: Any) -> Objective:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from mogradient.combinable import CombinableLoss, RowValues, masked_mean_coefficients
+from mogradient_diffusion.advantages import group_advantages
 from mogradient_diffusion.config.settings import ConfigError
 from mogradient_diffusion.model.policy import Policy
 from mogradient_diffusion.objectives.base import (
@@ -43,7 +44,6 @@ from mogradient_diffusion.objectives.step_rollout import (
     sample_request,
     step_rollout,
 )
-from mogradient_diffusion.training.advantages import group_advantages
 
 if TYPE_CHECKING:
     from mogradient_diffusion.config.settings import RolloutConfig, TrainConfig

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from mogradient.combinable import CombinableLoss
+from mogradient_diffusion.advantages import group_advantages
 from mogradient_diffusion.model.embeddings import PromptEmbeddings
 from mogradient_diffusion.model.policy import Policy
 from mogradient_diffusion.objectives.base import (
@@ -31,7 +32,6 @@ from mogradient_diffusion.objectives.base import (
 )
 from mogradient_diffusion.objectives.nft_loss import NFTSettings, nft_loss
 from mogradient_diffusion.sampling.rollout import rollout
-from mogradient_diffusion.training.advantages import group_advantages
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from typing import Literal, get_args
 import torch
 
 from mogradient.combinable import CombinableLoss, RowValues, masked_mean_coefficients
+from mogradient_diffusion.advantages import STD_MODES
 from mogradient_diffusion.objectives.base import check_real
-from mogradient_diffusion.training.advantages import STD_MODES
 
 NFTForm = Literal["x0_adaptive", "velocity"]
 FORMS: tuple[str, ...] = get_args(NFTForm)

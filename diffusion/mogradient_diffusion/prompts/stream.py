@@ -1,9 +1,9 @@
 """The prompt stream a run trains on: the user's prompt files, or a built-in miniature set.
 
 The built-in set mirrors the paper's mixed sources (general scenes, quoted text,
-compositional colour prompts) in the tiny vocabulary, so the ``tiny`` preset trains on
+compositional color prompts) in the tiny vocabulary, so the ``tiny`` preset trains on
 the same kind of mixture as the real recipe without any download. Every prompt names a
-colour, so the preset's ``color_match`` reward applies to each epoch's draw.
+color, so the preset's ``color_match`` reward applies to each epoch's draw.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Importing the package registers the built-in rewards: offline ones (``ocr``,
 ``jpeg_compressibility``, ``jpeg_incompressibility``, ``color_match``, ``count_match``)
-model-based ones that load local weights (``pickscore``, ``clipscore``, ``hpsv21``,
+model-based ones that load local weights (``pick_score``, ``clip_score``, ``hps_v21``,
 ``aesthetic``, ``image_reward``, ``geneval``, ``geneval_strict``) and ``unified_reward``,
 a client of a VLM served over HTTP; user rewards register with ``@register_reward``.
+The old spellings ``pickscore``, ``clipscore`` and ``hpsv21`` still name theirs.
 """
 
 from .aesthetic import Aesthetic

@@ -1,7 +1,7 @@
 """The reward interface: images in [0, 1] and prompts in, one float per image out.
 
 A reward that does not apply to a sample (an OCR reward on a prompt without quoted
-text, a colour check on a prompt naming no colour) returns NaN there; advantages and
+text, a color check on a prompt naming no color) returns NaN there; advantages and
 the weighted-sum baseline ignore NaN entries. Validation lives in ``Reward.__call__``
 so every reward, built-in or user-written, is checked the same way: a bug surfaces as
 an error naming the reward, never as a silent zero.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,7 +43,8 @@ class Reward(ABC):
     batch), to bound the memory of model-based rewards.
     """
 
-    name: ClassVar[str]
+    name: str  # the registered name; make_reward gives an instance the name a config used
+    aliases: tuple[str, ...] = ()  # old spellings of ``name`` that configs may still use
     value_range: tuple[float, float]
 
     def __init__(self, device: str | torch.device | None = None, batch_size: int | None = None):

@@ -1,6 +1,6 @@
 """A CLIP model with its processor from a local directory: the base of five rewards.
 
-PickScore, CLIPScore, HPSv2.1, Aesthetic and GenEval's colour classifier all embed
+PickScore, CLIPScore, HPSv2.1, Aesthetic and GenEval's color classifier all embed
 images (and most also prompts) with a CLIP. Preprocessing is the model's own
 ``preprocessor_config.json`` run by transformers' PIL image processor (resize the
 short side bicubic, centre crop, CLIP mean/std), as the references do through

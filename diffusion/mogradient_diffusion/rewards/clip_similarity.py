@@ -62,7 +62,8 @@ class ClipSimilarity(Reward):
 class PickScore(ClipSimilarity):
     """PickScore: ``logit_scale.exp() * cos / 26`` (the references' training scale)."""
 
-    name = "pickscore"
+    name = "pick_score"
+    aliases = ("pickscore",)
     how_to_get = (
         "Download the model `yuvalkirstain/PickScore_v1` and the processor of "
         "`laion/CLIP-ViT-H-14-laion2B-s32B-b79K` (`huggingface-cli download <id> --local-dir "
@@ -78,7 +79,8 @@ class PickScore(ClipSimilarity):
 class ClipScore(ClipSimilarity):
     """CLIPScore: the cosine of CLIP ViT-L/14 image and prompt embeddings."""
 
-    name = "clipscore"
+    name = "clip_score"
+    aliases = ("clipscore",)
     how_to_get = (
         "Download `openai/clip-vit-large-patch14` (`huggingface-cli download "
         "openai/clip-vit-large-patch14 --local-dir <dir>`) on a machine with hub access."
@@ -89,7 +91,8 @@ class ClipScore(ClipSimilarity):
 class HpsV21(ClipSimilarity):
     """HPSv2.1: the cosine of the HPS v2.1 fine-tuned ViT-H-14, in transformers layout."""
 
-    name = "hpsv21"
+    name = "hps_v21"
+    aliases = ("hpsv21",)
     how_to_get = (
         "Download `HPS_v2.1_compressed.pt` (the HPSv2 release) and the open_clip tokenizer "
         "/processor of `laion/CLIP-ViT-H-14-laion2B-s32B-b79K`, then run "

@@ -1,11 +1,11 @@
-"""A rule-based compositional check: are the colours the prompt names in the image?
+"""A rule-based compositional check: are the colors the prompt names in the image?
 
-Each pixel gets one of eleven colour names by hand-set HSV rules (below); a colour
+Each pixel gets one of eleven color names by hand-set HSV rules (below); a color
 named in the prompt counts as present when at least ``min_share`` of the pixels carry
-it. The score is the fraction of named colours present, NaN when the prompt names
+it. The score is the fraction of named colors present, NaN when the prompt names
 none. It needs no model and works on 64 px images, which makes it a real reward for
-the tiny pipeline and for synthetic tests. It is not GenEval: it does not tie a colour
-to an object, a white or black background counts as that colour, and "an orange" (the
+the tiny pipeline and for synthetic tests. It is not GenEval: it does not tie a color
+to an object, a white or black background counts as that color, and "an orange" (the
 fruit) asks for orange pixels.
 """
 
@@ -34,7 +34,7 @@ _HUE_SECTORS = ((15, "red"), (45, "orange"), (70, "yellow"), (165, "green"), (25
 
 
 def colors_in_prompt(prompt: str) -> list[str]:
-    """Colour names the prompt mentions, in order of first mention ("grey" -> "gray")."""
+    """Color names the prompt mentions, in order of first mention ("grey" -> "gray")."""
     found = (m.group(1).lower() for m in _COLOR_WORD.finditer(prompt))
     return list(dict.fromkeys(_SYNONYMS.get(word, word) for word in found))
 
@@ -84,7 +84,7 @@ def color_shares(image: np.ndarray) -> np.ndarray:
 
 @register_reward
 class ColorMatch(Reward):
-    """Fraction of the prompt's colour words whose colour covers >= ``min_share`` of pixels."""
+    """Fraction of the prompt's color words whose color covers >= ``min_share`` of pixels."""
 
     name = "color_match"
     value_range = (0.0, 1.0)

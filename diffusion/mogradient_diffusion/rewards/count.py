@@ -1,6 +1,6 @@
 """A rule-based counting check for flat-background images: blobs versus the prompt's number.
 
-The background colour is the median of the border pixels; pixels differing from it by
+The background color is the median of the border pixels; pixels differing from it by
 more than ``tolerance`` (max over channels, in [0, 1] units) are foreground; its
 4-connected components of at least ``min_area`` (share of the pixels) are the
 objects. Score ``max(0, 1 - |found - asked| / asked)``: graded, so a policy gets signal

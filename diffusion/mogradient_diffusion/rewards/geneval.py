@@ -2,8 +2,8 @@
 
 Pipeline, as in GenEval (djghosh13/geneval, ``evaluate_images.py``): a COCO instance
 segmenter finds objects; per class the confident ones are kept (``geneval_rules``); a
-CLIP ViT-L/14 zero-shot classifier names the colour of each object a prompt asks a
-colour of; ``geneval_rules`` turns that into a score. ``geneval`` is Flow-GRPO's graded
+CLIP ViT-L/14 zero-shot classifier names the color of each object a prompt asks a
+color of; ``geneval_rules`` turns that into a score. ``geneval`` is Flow-GRPO's graded
 training reward in [0, 1]; ``geneval_strict`` is GenEval's 0/1 accuracy, for evaluation.
 Both are NaN on samples without GenEval metadata (no mapping, or no ``include``).
 
@@ -36,15 +36,15 @@ from torch import Tensor
 from .base import Metadata, Reward, nan_scores, to_uint8_images
 from .clip_backbone import CLIP_FILES, ClipBackbone
 from .geneval_rules import (
-    COLOUR_TEMPLATES,
-    COLOURS,
+    COLOR_TEMPLATES,
+    COLORS,
     COUNTING_THRESHOLD,
     MAX_OBJECTS,
     NMS_THRESHOLD,
     POSITION_THRESHOLD,
     THRESHOLD,
     Detection,
-    colour_classes,
+    color_classes,
     confidence_threshold,
     geneval_class_name,
     is_geneval_metadata,
@@ -61,7 +61,7 @@ from .registry import register_reward
 HOW_TO_GET = (
     "Get the detector with `huggingface-cli download "
     "facebook/mask2former-swin-small-coco-instance --local-dir <dir>` and pass it as `path`; "
-    "prompts that name a colour also need `huggingface-cli download "
+    "prompts that name a color also need `huggingface-cli download "
     "openai/clip-vit-large-patch14 --local-dir <dir>`, passed as `clip_path`."
 )
 DETECTOR_FILES = ("config.json", WEIGHT_FILES, "preprocessor_config.json")
@@ -80,11 +80,11 @@ class GenEvalOutcome:
 
 
 class GenEvalBase(Reward):
-    """Detector, colour classifier and rules shared by ``geneval`` and ``geneval_strict``.
+    """Detector, color classifier and rules shared by ``geneval`` and ``geneval_strict``.
 
-    The CLIP colour model loads on the first prompt that names a colour, so counting or
+    The CLIP color model loads on the first prompt that names a color, so counting or
     position-only runs never pay for it; a given ``clip_path`` is checked at once, and a
-    missing one raises ``MissingWeightsError`` when a colour is first needed.
+    missing one raises ``MissingWeightsError`` when a color is first needed.
     """
 
     value_range = (0.0, 1.0)
@@ -145,16 +145,14 @@ class GenEvalBase(Reward):
         id2label = self.detector.config.id2label
         self.class_names = [geneval_class_name(id2label[i]) for i in range(len(id2label))]
         self._clip: ClipBackbone | None = None
-        self._colour_classifiers: dict[str, Tensor] = {}
+        self._color_classifiers: dict[str, Tensor] = {}
 
     def to(self, device: str | torch.device) -> GenEvalBase:
         super().to(device)
         self.detector.to(self.device)
         if self._clip is not None:
             self._clip.to(self.device)
-        self._colour_classifiers = {
-            k: v.to(self.device) for k, v in self._colour_classifiers.items()
-        }
+        self._color_classifiers = {k: v.to(self.device) for k, v in self._color_classifiers.items()}
         return self
 
     @abstractmethod
@@ -191,7 +189,7 @@ class GenEvalBase(Reward):
             threshold = confidence_threshold(meta, self.threshold, self.counting_threshold)
             objects = select_objects(detections, threshold, self.max_objects, self.nms_threshold)
             per_image.append((i, meta, array, objects))
-        self._classify_colours(per_image)
+        self._classify_colors(per_image)
         for i, meta, _, objects in per_image:
             outcomes[i] = GenEvalOutcome(
                 correct=strict_correct(objects, meta, self.position_threshold),
@@ -260,12 +258,12 @@ class GenEvalBase(Reward):
             detections.append(found)
         return detections
 
-    def _classify_colours(self, per_image: list) -> None:
-        """Set ``colour`` on the kept objects of classes whose prompt names a colour."""
+    def _classify_colors(self, per_image: list) -> None:
+        """Set ``color`` on the kept objects of classes whose prompt names a color."""
         jobs = [
             (slot, label)
             for slot, (_, meta, _, objects) in enumerate(per_image)
-            for label in sorted(colour_classes(meta))
+            for label in sorted(color_classes(meta))
             if objects.get(label)
         ]
         if not jobs:
@@ -282,10 +280,10 @@ class GenEvalBase(Reward):
         for slot, label in jobs:
             objects = per_image[slot][3]
             dets = objects[label]
-            logits = features[start : start + len(dets)] @ self._colour_classifier(label).T
+            logits = features[start : start + len(dets)] @ self._color_classifier(label).T
             start += len(dets)
             objects[label] = [
-                replace(det, colour=COLOURS[k])
+                replace(det, color=COLORS[k])
                 for det, k in zip(dets, logits.argmax(-1).tolist(), strict=True)
             ]
 
@@ -293,20 +291,20 @@ class GenEvalBase(Reward):
         if self._clip is None:
             if self.clip_dir is None:
                 raise MissingWeightsError(
-                    f"reward {self.name!r}: a prompt names a colour, which needs the CLIP "
-                    f"colour classifier; set the reward option `clip_path`. {HOW_TO_GET}"
+                    f"reward {self.name!r}: a prompt names a color, which needs the CLIP "
+                    f"color classifier; set the reward option `clip_path`. {HOW_TO_GET}"
                 )
             self._clip = ClipBackbone(self.name, self.clip_dir, HOW_TO_GET, self.device)
         return self._clip
 
-    def _colour_classifier(self, label: str) -> Tensor:
-        """[colours, E] zero-shot weights: per colour the renormalised mean of its prompts."""
-        if label not in self._colour_classifiers:
-            texts = [t.format(c=c, cls=label) for c in COLOURS for t in COLOUR_TEMPLATES]
+    def _color_classifier(self, label: str) -> Tensor:
+        """[colors, E] zero-shot weights: per color the renormalised mean of its prompts."""
+        if label not in self._color_classifiers:
+            texts = [t.format(c=c, cls=label) for c in COLORS for t in COLOR_TEMPLATES]
             features = self._clip_model().text_features(texts)
-            mean = features.reshape(len(COLOURS), len(COLOUR_TEMPLATES), -1).mean(1)
-            self._colour_classifiers[label] = mean / mean.norm(dim=-1, keepdim=True)
-        return self._colour_classifiers[label]
+            mean = features.reshape(len(COLORS), len(COLOR_TEMPLATES), -1).mean(1)
+            self._color_classifiers[label] = mean / mean.norm(dim=-1, keepdim=True)
+        return self._color_classifiers[label]
 
 
 def _unpadded(mask_logits: Tensor, pixel_mask: Tensor, padded_size: torch.Size) -> Tensor:

@@ -1,14 +1,14 @@
 """GenEval's scoring rules as pure functions on detections: no models, fully testable.
 
-The reward (``geneval.py``) runs the detector and the colour classifier and hands the
+The reward (``geneval.py``) runs the detector and the color classifier and hands the
 results here. Two scores come out of the same detections:
 
 * ``strict_correct`` is GenEval's own per-image accuracy (djghosh13/geneval,
   ``evaluate_images.py``): include clauses must all hold, "at least ``count``" found,
-  colour and position checked on the ``count`` most confident objects; any exclude
+  color and position checked on the ``count`` most confident objects; any exclude
   clause met fails the image.
 * ``partial_score`` is the graded training reward of Flow-GRPO's GenEval reward server:
-  the mean of per-clause terms, where counts must match exactly to earn the colour and
+  the mean of per-clause terms, where counts must match exactly to earn the color and
   position terms. Its count term ``1 - |count - found| / count`` goes negative past
   ``2 * count`` objects; the final mean is clamped at 0 so the reward keeps the range
   [0, 1] (a policy cannot be pushed further by over-producing objects than by producing
@@ -33,14 +33,14 @@ MAX_OBJECTS = 16
 NMS_THRESHOLD = 1.0
 POSITION_THRESHOLD = 0.1
 
-COLOURS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
-COLOUR_TEMPLATES = (
+COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
+COLOR_TEMPLATES = (
     "a photo of a {c} {cls}",
     "a photo of a {c}-colored {cls}",
     "a photo of a {c} object",
 )
 RELATIONS = ("left of", "right of", "above", "below")
-# Objects are composited over this grey before the colour classifier sees their crop.
+# Objects are composited over this grey before the color classifier sees their crop.
 CROP_BACKGROUND = (153, 153, 153)
 
 # The 80 COCO classes under the names GenEval's metadata uses (COCO order).
@@ -81,15 +81,15 @@ Objects = Mapping[str, Sequence["Detection"]]
 class Detection:
     """One detected instance: ``box`` is [x1, y1, x2, y2] in pixels, ``mask`` [H, W] bool.
 
-    ``colour`` is filled in by the colour classifier, only for classes a prompt asks a
-    colour of.
+    ``color`` is filled in by the color classifier, only for classes a prompt asks a
+    color of.
     """
 
     label: str
     score: float
     box: Box
     mask: np.ndarray | None = None
-    colour: str | None = None
+    color: str | None = None
 
 
 def geneval_class_name(label: str) -> str:
@@ -187,8 +187,8 @@ def confidence_threshold(
     return counting_threshold if metadata.get("tag") == "counting" else threshold
 
 
-def colour_classes(metadata: Mapping[str, Any]) -> set[str]:
-    """Classes whose objects need a colour: the colour model runs only for these."""
+def color_classes(metadata: Mapping[str, Any]) -> set[str]:
+    """Classes whose objects need a color: the color model runs only for these."""
     return {entry["class"] for entry in metadata.get("include", ()) if "color" in entry}
 
 
@@ -207,8 +207,8 @@ def validate_metadata(metadata: Mapping[str, Any]) -> None:
                 raise ValueError(f"{where}: 'count' must be an integer >= 1, got {count!r}")
             if key == "exclude":
                 continue
-            if "color" in entry and entry["color"] not in COLOURS:
-                raise ValueError(f"{where}: unknown colour {entry['color']!r}; known: {COLOURS}")
+            if "color" in entry and entry["color"] not in COLORS:
+                raise ValueError(f"{where}: unknown color {entry['color']!r}; known: {COLORS}")
             if "position" in entry:
                 position = entry["position"]
                 if (
@@ -228,10 +228,10 @@ def _count(entry: Mapping[str, Any]) -> int:
     return int(entry.get("count", 1))
 
 
-def _colour(det: Detection) -> str:
-    if det.colour is None:
-        raise ValueError(f"detection of {det.label!r} has no colour; classify colours first")
-    return det.colour
+def _color(det: Detection) -> str:
+    if det.color is None:
+        raise ValueError(f"detection of {det.label!r} has no color; classify colors first")
+    return det.color
 
 
 def _holds(
@@ -246,7 +246,7 @@ def strict_correct(
     """GenEval's accuracy of one image: every include clause holds and no exclude does.
 
     An include clause looks at the ``count`` most confident objects of its class (more
-    found is fine); with a colour, all of them must have it; with a position, all of
+    found is fine); with a color, all of them must have it; with a position, all of
     them must hold the relation to every object of the target clause, which must itself
     have held.
     """
@@ -257,7 +257,7 @@ def strict_correct(
         found = list(objects.get(entry["class"], ()))[:count]
         matched = len(found) >= count
         if matched and "color" in entry:
-            matched = sum(_colour(d) == entry["color"] for d in found) >= count
+            matched = sum(_color(d) == entry["color"] for d in found) >= count
         if matched and "position" in entry:
             relation, target = entry["position"]
             targets = groups[target]
@@ -276,8 +276,8 @@ def partial_terms(
     """The per-clause terms whose mean is ``partial_score`` (exclude clauses play no part).
 
     Per include clause: a count term over all kept objects of the class; when the count
-    is not exact, a clause with a colour or position adds one 0.0 and stops. Otherwise a
-    colour term (share of the asked count having the colour), then, if the colour was
+    is not exact, a clause with a color or position adds one 0.0 and stops. Otherwise a
+    color term (share of the asked count having the color), then, if the color was
     exact, a position term: 1.0 if the relation holds to every object of the target
     clause, 0.0 if it fails or the target clause did not match exactly.
     """
@@ -293,7 +293,7 @@ def partial_terms(
                 terms.append(0.0)
         else:
             if "color" in entry:
-                right = sum(_colour(d) == entry["color"] for d in found)
+                right = sum(_color(d) == entry["color"] for d in found)
                 terms.append(1 - abs(count - right) / count)
                 matched = right == count
             if matched and "position" in entry:
@@ -316,9 +316,9 @@ def partial_score(
 
 
 def object_crop(image: np.ndarray, det: Detection) -> np.ndarray:
-    """The object cut out for colour classification: [H, W, 3] uint8 over grey, box-cropped.
+    """The object cut out for color classification: [H, W, 3] uint8 over grey, box-cropped.
 
-    Pixels outside the instance mask are replaced by ``CROP_BACKGROUND`` so the colour
+    Pixels outside the instance mask are replaced by ``CROP_BACKGROUND`` so the color
     model judges the object, not its surroundings.
     """
     if det.mask is not None:

@@ -6,7 +6,7 @@ and stripped of spaces; a target contained in the recognized text scores 1, othe
 ``max(0, 1 - levenshtein(recognized, target) / len(target))``; prompts without quoted
 text score NaN. The references read the text with PaddleOCR (lines concatenated);
 here Tesseract reads it, which needs no model download, on a grayscale copy (Tesseract
-5 misses dark text on mid-tone colour backgrounds it reads fine in grayscale) upscaled
+5 misses dark text on mid-tone color backgrounds it reads fine in grayscale) upscaled
 so its short side reaches ``min_side`` pixels (by at most 4x). Images are read in a
 thread pool: each read is a ``tesseract`` subprocess (~0.15 s), so threads overlap them.
 """

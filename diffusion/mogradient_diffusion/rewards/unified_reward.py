@@ -43,7 +43,8 @@ HOW_TO_SERVE = (
     "--served-model-name UnifiedReward-7b-v1.5`, and set the reward option "
     "`base_url=http://127.0.0.1:17140/v1` (and `model=` to the served model name)."
 )
-# Our wording of the reference's question; `{prompt}` is replaced by the caption.
+# Our wording of the reference's question; `{prompt}` is replaced by the caption. It is
+# what the model reads, so its British "colour" stays: a new wording would change scores.
 DEFAULT_QUESTION = (
     "<image>\n"
     "Below are a text caption and an image generated from it. Judge the image on two "

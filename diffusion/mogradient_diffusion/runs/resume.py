@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from mogradient_diffusion.config.loading import ConfigError
+from mogradient_diffusion.config.settings import ConfigError
 
 # Never part of the comparison: the length of the run, console noise, the directory
 # itself (a run may be moved), the gradient engine and the sharding of the frozen weights

@@ -1,1 +1,1 @@
-"""Sampling SD3's flow from noise to data: schedules, ODE and SDE steps, the chunked CFG sampler."""
+"""Sampling every model family's flow: schedules, ODE and SDE steps, the chunked CFG sampler."""

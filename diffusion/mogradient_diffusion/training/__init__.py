@@ -1,1 +1,1 @@
-"""The training loop and its parts: strategies, advantages, gradient engines, collectives."""
+"""The training loop and its parts: records, guards, collectives, what a checkpoint holds."""

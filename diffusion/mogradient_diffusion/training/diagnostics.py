@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from mogradient import MGDA, conflict_diagnostics
+from mogradient import conflict_diagnostics
+from mogradient.harmonizers import MGDA
 from mogradient_diffusion.runs import metric_keys as keys
-from mogradient_diffusion.training.strategies import Strategy
+from mogradient_diffusion.strategies import Strategy
 
 
 def probe_record(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mogradient.gradients import flat_gradient, write_gradient
+from mogradient.engines import flat_gradient, write_gradient
 from mogradient_diffusion.config.settings import ConfigError
 
 # What init_process_group reads besides WORLD_SIZE: torchrun sets them all.

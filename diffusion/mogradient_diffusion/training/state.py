@@ -18,8 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mogradient_diffusion.config.loading import ConfigError, read_run_config
-from mogradient_diffusion.config.settings import TrainConfig
+from mogradient_diffusion.config.settings import ConfigError, TrainConfig
 from mogradient_diffusion.model.policy import Policy
 from mogradient_diffusion.prompts.sources import StratifiedPromptSampler
 from mogradient_diffusion.runs.checkpoint import (
@@ -32,6 +31,7 @@ from mogradient_diffusion.runs.checkpoint import (
 from mogradient_diffusion.runs.resume import check_resume
 from mogradient_diffusion.training.ema import ParameterEMA
 from mogradient_diffusion.training.finite import all_finite
+from mogradient_diffusion.training_config import read_run_config
 
 
 class Stateful(Protocol):

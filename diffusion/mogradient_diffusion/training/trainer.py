@@ -37,12 +37,9 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from mogradient import conflict_diagnostics, flat_gradient
 from mogradient.combinable import CombinableLoss
-from mogradient.distributed import apply_weights
-from mogradient.gradients import accumulate_gradients
-from mogradient.row_gradients import RowGradientError
-from mogradient_diffusion.config.loading import ConfigError, TrainingConfig
+from mogradient.engines import accumulate_gradients, flat_gradient
+from mogradient.step import HarmonizedStep, StepReport
 from mogradient_diffusion.model.families import Family, family_named
 from mogradient_diffusion.model.families.base import UnsupportedGuidance
 from mogradient_diffusion.model.pipeline_files import AUTO, pipeline_family
@@ -77,6 +74,7 @@ from mogradient_diffusion.runs.checkpoint import (
 )
 from mogradient_diffusion.runs.metrics_log import RunLog
 from mogradient_diffusion.runs.resume import write_resume_record
+from mogradient_diffusion.strategies import Strategy, build_strategy
 from mogradient_diffusion.training.diagnostics import probe_record
 from mogradient_diffusion.training.distributed import World
 from mogradient_diffusion.training.ema import ParameterEMA, old_decay
@@ -87,8 +85,7 @@ from mogradient_diffusion.training.records import (
     skipped_step_record,
 )
 from mogradient_diffusion.training.state import TrainingState, saved_run
-from mogradient_diffusion.training.step_gradients import StepGradients
-from mogradient_diffusion.training.strategies import Strategy, build_strategy
+from mogradient_diffusion.training_config import ConfigError, TrainingConfig
 
 LossStream = Iterator[tuple[float, CombinableLoss]]
 # The exported adapters: the trained weights and their EMA.
@@ -193,15 +190,18 @@ class Trainer:
             self.policy.shard_frozen_weights()
         self._frozen_gib = self.policy.frozen_weight_bytes() / 2**30
         self.parameters = self.policy.trainable_parameters()
-        self.gradients = StepGradients(
-            self.policy.transformer,
-            self.parameters,
-            config.train.gradient_engine,
-            compute_dtype=DTYPES[config.model.dtype],
-        )
         self._synchronize_adapters()
         self.strategy: Strategy = build_strategy(
-            config.strategy, self.reward_names, seed=config.run.seed
+            config.strategy.name, config.strategy.settings, self.reward_names, seed=config.run.seed
+        )
+        self.harmonized = HarmonizedStep(
+            self.parameters,
+            self.strategy.weights,
+            module=self.policy.transformer,
+            engine=config.train.gradient_engine,
+            compute_dtype=DTYPES[config.model.dtype],
+            collective=world,
+            warn=self._warn,
         )
         train = config.train
         self.optimizer = torch.optim.AdamW(
@@ -450,10 +450,12 @@ class Trainer:
             weights, record = self._micro_step_marble(step, generator, metrics)
         elif self.strategy.needs_gradients():
             losses = self.objective.losses(self.policy, step, generator, metrics)
-            weights, record = self._solve_step(losses, count, self._replayer(step, replay))
+            report = self.harmonized.solve(losses, count, self._replayer(step, replay))
+            weights, record = report.weights, step_record(report)
         else:
             losses = self.objective.losses(self.policy, step, generator, metrics)
-            weights, record = self._combined_step(losses, count)
+            report = self.harmonized.combine(losses, count)
+            weights, record = report.weights, step_record(report)
         record.update(
             {keys.objective_metric(key): value for key, value in metrics.summary().items()}
         )
@@ -480,86 +482,6 @@ class Trainer:
             return self.objective.losses(self.policy, step, generator, StepMetrics())
 
         return replay
-
-    def _solve_step(
-        self, losses: LossStream, count: int, replay: Callable[[], LossStream]
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Per-objective gradients (the KL term straight to ``.grad``), solve, apply."""
-        started = time.perf_counter()
-        stack = self._stack(losses, count, replay)
-        record: dict[str, Any] = {keys.BACKWARD_TIME: time.perf_counter() - started}
-        self._check_engine(stack, replay, count)
-        started = time.perf_counter()
-        self.world.average_gradients(self.parameters)
-        stack = self.world.average(stack)
-        solved = self.strategy.weights(stack, count)
-        weights, direction = apply_weights(self.parameters, stack, solved.weights, accumulate=True)
-        diagnostics = conflict_diagnostics(
-            weights,
-            jacobian=stack,
-            direction=direction,
-            dropped=solved.harmonization.dropped if solved.harmonization else (),
-            fallback=solved.fallback,
-        )
-        record.update(
-            {keys.harmonize(k): v for k, v in diagnostics.items() if not isinstance(v, list)}
-        )
-        record[keys.HARMONIZE_TIME] = time.perf_counter() - started
-        record.update(
-            {keys.SOLVED: 1, keys.FALLBACK: solved.fallback, keys.ENGINE: self.gradients.name}
-        )
-        return weights, record
-
-    def _stack(
-        self, losses: LossStream, count: int, replay: Callable[[], LossStream]
-    ) -> torch.Tensor:
-        """The step's per-objective stack. Where the per-row engine refuses this model (it
-        would get its rows wrong) the step is replayed with K backward passes, and the run
-        goes on with them."""
-        try:
-            return self.gradients.stack(losses, count)
-        except RowGradientError as error:
-            self._use_k_backward(f"refused this model ({error})")
-            self.optimizer.zero_grad(set_to_none=True)  # a refused pass may have begun .grad
-            return self.gradients.stack(replay(), count)
-
-    def _check_engine(
-        self, stack: torch.Tensor, replay: Callable[[], LossStream], count: int
-    ) -> None:
-        """Once per process: the per-row engine against K backward passes (every rank
-        agrees on the outcome). On a disagreement the stack is replaced by the
-        K-backward one and the run goes on with that engine."""
-        if self.gradients.checked:
-            return
-        reason, reference = self.gradients.check(stack, replay, count)
-        failed = torch.tensor([0.0 if reason is None else 1.0], device=self.world.device)
-        if float(self.world.average(failed)) > 0:
-            self._use_k_backward(
-                f"disagreed with K backward passes on this model ({reason or 'on another rank'})"
-            )
-            stack.copy_(reference)
-
-    def _use_k_backward(self, why: str) -> None:
-        """Give up the current gradient engine for K backward passes, and say why."""
-        engine = self.gradients.name
-        self.gradients.use_k_backward()
-        self._warn(
-            f"the {engine} gradient engine {why}; training goes on with the K-backward "
-            "engine (train.gradient_engine=batched)"
-        )
-
-    def _combined_step(self, losses: LossStream, count: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Rank 0's cached or fixed weights, and one combined backward per piece."""
-        cached = self.strategy.weights(None, count)
-        weights = self.world.broadcast(cached.weights)
-        started = time.perf_counter()
-        accumulate_gradients(losses, self.parameters, weights)
-        record: dict[str, Any] = {keys.BACKWARD_TIME: time.perf_counter() - started}
-        started = time.perf_counter()
-        self.world.average_gradients(self.parameters)
-        record[keys.HARMONIZE_TIME] = time.perf_counter() - started
-        record.update({keys.SOLVED: 0, keys.FALLBACK: cached.fallback})
-        return weights, record
 
     def _micro_step_marble(
         self, step: list[TrainPiece], generator: torch.Generator, metrics: StepMetrics
@@ -616,19 +538,18 @@ class Trainer:
                 drawn.append(True)
                 yield piece
 
-        stack = self._stack(next_piece(), count, replay)
+        stack = self.harmonized.gradients(next_piece(), count, replay)
         if not drawn:
             return False
-        self._check_engine(stack, replay, count)
         stack = self.world.average(stack)
         weights, solved = self.strategy.micro_step.solve(stack, self.optimizer_step)
-        apply_weights(self.parameters, stack, weights, accumulate=True)
+        self.harmonized.apply(stack, weights)
         record["solved_micro_steps"] += 1
         record.update(
             {
                 keys.SOLVED: 1,
                 keys.FALLBACK: solved["fallback"],
-                keys.ENGINE: self.gradients.name,
+                keys.ENGINE: self.harmonized.engine.name,
                 "release/fresh_alpha": solved["fresh_alpha"],
                 "release/raw_norms": solved["raw_norms"],
                 "release/rescale": solved["rescale"],
@@ -695,7 +616,7 @@ class Trainer:
         per row value, not one per reward. Timed apart from the step (``time/probe``).
         """
         count = probe[0].advantages.shape[-1]
-        stack = self.gradients.stack(replay(), count, apply_extra=False)
+        stack = self.harmonized.engine.stack(replay(), count, apply_extra=False)
         stack = self.world.average(stack)
         direction = flat_gradient(self.parameters).float()
         return probe_record(stack, direction, self.strategy)
@@ -914,3 +835,17 @@ def mask_objectives(advantages: torch.Tensor, silent: torch.Tensor) -> torch.Ten
     masked = advantages.clone()
     masked[..., silent] = float("nan")
     return masked
+
+
+def step_record(report: StepReport) -> dict[str, Any]:
+    """A harmonized step's report under the names metrics.jsonl uses."""
+    record: dict[str, Any] = {
+        keys.BACKWARD_TIME: report.backward_seconds,
+        keys.HARMONIZE_TIME: report.harmonize_seconds,
+        keys.SOLVED: int(report.solved),
+        keys.FALLBACK: report.fallback,
+    }
+    if report.engine is not None:
+        record[keys.ENGINE] = report.engine
+    record.update({keys.harmonize(name): value for name, value in report.diagnostics.items()})
+    return record

@@ -1,22 +1,29 @@
-"""Model families: each diffusers pipeline class the trainer can train, found by its name."""
+"""Model families: each diffusers pipeline class the trainer can train, found by its name.
+
+A family holds no state, so the registry holds one instance of each; a new one joins
+with ``FAMILIES.add(family.name, family)``.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from mogradient.registry import Registry
 from mogradient_diffusion.model.families.base import Family
 from mogradient_diffusion.model.families.flux import Flux
 from mogradient_diffusion.model.families.qwen_image import QwenImage
 from mogradient_diffusion.model.families.sd3 import SD3
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (SD3(), Flux(), QwenImage())}
+FAMILIES: Registry[Family] = Registry("model family")
+FAMILIES.add(SD3.name, SD3())
+FAMILIES.add(Flux.name, Flux())
+FAMILIES.add(QwenImage.name, QwenImage())
 
 
 def family_named(name: str) -> Family:
-    """The family called ``name`` (``model.family``), with the choices when it is unknown."""
-    if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; choose one of {sorted(FAMILIES)}")
+    """The family called ``name`` (``model.family``); an unknown name is an UnknownNameError
+    (a ValueError) with the choices and the closest ones."""
     return FAMILIES[name]
 
 

@@ -1,0 +1,53 @@
+"""Gradient engines: the K x D stack of per-objective gradients, by the cheapest exact path.
+
+- :func:`objective_gradients`: K losses, K backward passes (sequential or one vmapped pass).
+- :func:`combinable_gradients`: a :class:`~mogradient.CombinableLoss`'s K gradients;
+  :func:`accumulate_gradients` sums them over a stream of micro-batches.
+- :class:`RowGradients`: one backward pass per row value of a loss that says where it
+  meets the network row by row, for every K.
+- :class:`GradientEngine`: the per-row engine where it applies, checked once against K
+  backward passes, else K backward passes: what a training loop uses.
+- :func:`mtl_backward`: a shared trunk's harmonized gradient from the gradients with
+  respect to its output (one backward per objective through the heads only).
+- Across processes: :func:`distributed_objective_gradients` (DDP, or FSDP2 with the
+  frozen weights sharded by :func:`shard_frozen`); :mod:`mogradient.step` applies the
+  rank-averaged stack.
+- Writing and reading ``.grad``: :func:`write_gradient`, :func:`flat_gradient`;
+  :func:`select_parameters` picks the trained parameters.
+"""
+
+from mogradient._finite import all_finite
+from mogradient.engines._checked import ENGINES, GradientEngine, LossStream
+from mogradient.engines._distributed import distributed_objective_gradients
+from mogradient.engines._representation import mtl_backward
+from mogradient.engines._rows import RowGradientError, RowGradients, check_close
+from mogradient.engines._sharding import default_blocks, is_shard, shard_frozen
+from mogradient.engines._stack import (
+    accumulate_gradients,
+    combinable_gradients,
+    flat_gradient,
+    objective_gradients,
+    select_parameters,
+    write_gradient,
+)
+
+__all__ = [
+    "ENGINES",
+    "GradientEngine",
+    "LossStream",
+    "RowGradientError",
+    "RowGradients",
+    "accumulate_gradients",
+    "all_finite",
+    "check_close",
+    "combinable_gradients",
+    "default_blocks",
+    "distributed_objective_gradients",
+    "flat_gradient",
+    "is_shard",
+    "mtl_backward",
+    "objective_gradients",
+    "select_parameters",
+    "shard_frozen",
+    "write_gradient",
+]

@@ -1,0 +1,1 @@
+"""Scalarization tests, one file per module of mogradient/scalarizations/."""
