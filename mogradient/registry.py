@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
+import os
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -163,8 +165,13 @@ def _load(target: str, kind: str, name: str) -> Any:
 def import_user_modules(modules: Iterable[str], purpose: str) -> None:
     """Import the user's modules (dotted names) so their registrations take effect.
 
-    ``purpose`` names what they are for in the error, e.g. "reward_modules".
+    A module in the working directory imports as it would under ``python -m`` (the folder
+    is searched after the installed packages, so it shadows none of them). ``purpose``
+    names what they are for in the error, e.g. "reward_modules".
     """
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
     for module in modules:
         try:
             importlib.import_module(module)
@@ -173,7 +180,7 @@ def import_user_modules(modules: Iterable[str], purpose: str) -> None:
                 raise
             raise ModuleNotFoundError(
                 f"{purpose}: cannot import {module!r} ({error}). The module must be importable "
-                "by Python: install it, or run from the folder that holds it with "
-                "PYTHONPATH=. (a file my_rewards.py there is the module 'my_rewards')",
+                f"by Python: installed, or a file in the folder you run from ({here}), or on "
+                "PYTHONPATH (a file my_rewards.py is the module 'my_rewards')",
                 name=error.name,
             ) from None

@@ -92,9 +92,18 @@ def test_a_lazy_entry_imports_its_module_on_first_use(tmp_path: Path, monkeypatc
 
 
 def test_a_missing_user_module_says_how_to_make_it_importable() -> None:
-    with pytest.raises(ModuleNotFoundError, match=r"PYTHONPATH=\.") as caught:
+    with pytest.raises(ModuleNotFoundError, match=r"PYTHONPATH") as caught:
         import_user_modules(["my_rewards_that_do_not_exist"], "reward_modules")
     assert "reward_modules: cannot import 'my_rewards_that_do_not_exist'" in str(caught.value)
+
+
+def test_a_module_in_the_working_directory_imports(tmp_path: Path, monkeypatch) -> None:
+    """As under ``python -m``: a console script does not put the folder on sys.path."""
+    (tmp_path / "working_directory_rewards.py").write_text("LOADED = True\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    import_user_modules(["working_directory_rewards"], "reward_modules")
+    assert sys.modules["working_directory_rewards"].LOADED
 
 
 def test_registrations_inside_restored_are_undone() -> None:
