@@ -16,15 +16,16 @@ Counted exactly (device-independent):
 * what gradient checkpointing keeps instead (the blocks' inputs, everything outside the
   blocks, and one block recomputed at a time);
 * the LoRA layers' inputs that the per-row gradient engine
-  (:class:`mogradient.engines.RowGradients`) holds on solve steps, beyond those;
+  ([`mogradient.engines.RowGradients`][mogradient.engines.RowGradients]) holds on solve
+  steps, beyond those;
 * under FSDP2 (``model.shard: fsdp2``), the frozen transformer's shard per GPU plus the
   blocks all-gathered whole.
 
 Modelled (see ``benchmarks/bench_memory_estimate.py`` for the measurements behind it):
 
-* the backward's transient working set, as :data:`TRANSIENT_BLOCK_FRACTION` of the
+* the backward's transient working set, as ``TRANSIENT_BLOCK_FRACTION`` of the
   largest block's saved bytes, the largest ratio measured on CPU;
-* :data:`RUNTIME_RESERVE_GIB` for the CUDA context and library workspaces, assumed.
+* ``RUNTIME_RESERVE_GIB`` for the CUDA context and library workspaces, assumed.
 
 Not modelled: the allocator's rounding and fragmentation, the rollout (no-grad forwards
 and VAE decoding, below the training peak), and the K-backward engine, whose vmapped

@@ -2,14 +2,15 @@
 
 The top level is what a training loop uses; everything else is one subpackage away:
 
-- :mod:`mogradient.harmonizers`: every harmonizer (``MGDA``, ``PCGrad``, ``UPGrad``, ...),
-  by class or by name (``make_harmonizer``, ``HARMONIZERS``);
-- :mod:`mogradient.scalarizations`: loss weightings (``FAMO``, ``UW``, ...);
-- :mod:`mogradient.engines`: the K x D stack of per-objective gradients (per-row, batched,
-  DDP, FSDP2) and writing a direction into ``.grad``;
-- :mod:`mogradient.qp`: the exact QP solvers and the robust Gram;
-- :mod:`mogradient.registry`: the registry every extension point uses;
-- :mod:`mogradient.plotting`: pictures of conflict, weights and losses (needs matplotlib).
+- [`mogradient.harmonizers`][mogradient.harmonizers]: every harmonizer (``MGDA``, ``PCGrad``,
+  ``UPGrad``, ...), by class or by name (``make_harmonizer``, ``HARMONIZERS``);
+- [`mogradient.scalarizations`][mogradient.scalarizations]: loss weightings (``FAMO``, ``UW``, ...);
+- [`mogradient.engines`][mogradient.engines]: the K x D stack of per-objective gradients (per-row,
+  batched, DDP, FSDP2) and writing a direction into ``.grad``;
+- [`mogradient.qp`][mogradient.qp]: the exact QP solvers and the robust Gram;
+- [`mogradient.registry`][mogradient.registry]: the registry every extension point uses;
+- [`mogradient.plotting`][mogradient.plotting]: pictures of conflict, weights and losses (needs
+  matplotlib).
 
 Modules whose names start with an underscore are internal and may change.
 """

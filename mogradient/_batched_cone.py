@@ -1,7 +1,7 @@
 """Many dual-cone projections on one matrix, solved together: x_j = argmin ||A (t_j + x)||
 over x >= 0, for every row t_j of a target matrix.
 
-UPGrad solves K of these NNLS problems (one per gradient, :mod:`mogradient._qp_cone`)
+UPGrad solves K of these NNLS problems (one per gradient, `mogradient._qp_cone`)
 on the same factor A (A^T A = the cosines). One at a time, Lawson & Hanson's method
 costs K problems x ~K/2 pivots x one SVD each: 5-10 s at K = 128 and minutes at 256.
 Here all problems run Kim & Park's block principal pivoting (SIAM J. Sci. Comput. 2011)
@@ -181,7 +181,7 @@ def _residuals(
 ) -> torch.Tensor:
     """KKT residual of every projection y = A (t + x): the largest of the conflict
     cosine -a_k.y / (||a_k|| ||A t||) and the complementarity |x_k a_k.y| / (||A t|| M),
-    M = ||A t|| + sum_k x_k ||a_k|| (see :func:`mogradient._qp_cone._projection_residual`)."""
+    M = ||A t|| + sum_k x_k ||a_k|| (see `mogradient._qp_cone._projection_residual`)."""
     sizes = torch.linalg.vector_norm(targets @ factor.T, dim=1)
     inner = ((targets + multipliers) @ factor.T) @ factor
     column_norms = torch.linalg.vector_norm(factor, dim=0)

@@ -12,10 +12,10 @@ multiplies in float64 as well.
 Gradient norms may differ by many orders of magnitude. Three things keep small gradients
 exact: rows whose squared norm over- or underflows the multiplication dtype are scaled
 by powers of two (exact) and the Gram recomputed, with each row's power kept beside it
-(:func:`scaled_gram`), since squared norms can leave even float64's range; methods read
-the Gram as cosines and norms (:class:`CosineGram`); and the PSD repair runs on the
-unit-diagonal (cosine) matrix, where an eigen-decomposition's round-off is relative to
-each row's own norm instead of the largest one.
+(`scaled_gram`), since squared norms can leave even float64's range; methods read
+the Gram as cosines and norms ([`CosineGram`][mogradient.harmonizers.CosineGram]); and the PSD
+repair runs on the unit-diagonal (cosine) matrix, where an eigen-decomposition's round-off is
+relative to each row's own norm instead of the largest one.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def gram_matrix(
     """Return the K x K float64 Gram matrix ``J @ J.T`` of a K x D stack, symmetric PSD.
 
     Entries beyond float64's range (rows below ~1e-154 or above ~1e154) are rounded to
-    zero, a subnormal or Inf; :func:`scaled_gram` keeps them.
+    zero, a subnormal or Inf; `scaled_gram` keeps them.
     """
     scaled, exponents = scaled_gram(jacobian, block_columns, upcast)
     return unscaled(make_psd(scaled), exponents)
@@ -246,7 +246,7 @@ class CosineGram:
 
     Precision, as machine epsilons: ``eps`` that of the gradients (their dtype's, and the
     dtype a direction is formed in; float32's at best for a Gram passed in,
-    :func:`gram_eps`), ``cosine_eps`` that of the cosines (the dtype the Gram was summed
+    `gram_eps`), ``cosine_eps`` that of the cosines (the dtype the Gram was summed
     in: float32 for a half-precision stack, whose products are exact there). Why: every
     decision that zero is in the hull, or that gradients are dependent, must be taken at
     the input's precision. Two float32 gradients 1e-8 from exact opposition are opposed
@@ -267,7 +267,7 @@ class CosineGram:
         eps: float = _FLOAT64_EPS,
         cosine_eps: float = _FLOAT64_EPS,
     ) -> CosineGram:
-        """From S and e of :func:`scaled_gram` (G = diag(2^e) S diag(2^e)), with the
+        """From S and e of `scaled_gram` (G = diag(2^e) S diag(2^e)), with the
         precisions of the gradients and of S; S's diagonal must be positive and finite."""
         scaled = scaled.to(torch.float64).cpu()
         sizes = torch.sqrt(torch.diagonal(scaled))
@@ -320,13 +320,13 @@ def gram_tolerance(dtype: torch.dtype) -> float:
 
 
 def summed_eps(dtype: torch.dtype) -> float:
-    """Machine epsilon of the dtype :func:`scaled_gram` sums a ``dtype`` stack's Gram in."""
+    """Machine epsilon of the dtype `scaled_gram` sums a ``dtype`` stack's Gram in."""
     return torch.finfo(_compute_dtype(dtype, upcast=False)).eps
 
 
 def gram_eps(gram: torch.Tensor | np.ndarray) -> float:
     """Machine epsilon of the precision a Gram passed in carries: its dtype's, float32's at
-    best (see :func:`gram_tolerance`)."""
+    best (see `gram_tolerance`)."""
     dtype = torch.as_tensor(gram).dtype
     return torch.finfo(_precision(dtype if dtype.is_floating_point else torch.float64)).eps
 
@@ -338,7 +338,7 @@ def validated_gram(gram: torch.Tensor | np.ndarray) -> torch.Tensor:
     its own way, or silently. Objectives whose squared norm is NaN or Inf are left for
     the caller to drop (their row and column may hold anything). Among the others every
     entry must be finite, squared norms non-negative, cosines at most 1 + tolerance and
-    symmetric to :func:`gram_tolerance`, and the cosine matrix PSD to (K - 1) times it
+    symmetric to `gram_tolerance`, and the cosine matrix PSD to (K - 1) times it
     (a bound on the spectral norm of entrywise errors). A zero squared norm may be an
     underflowed one: its products are bounded with the dtype's smallest normal instead.
     Raises ValueError naming the entry and the fix.

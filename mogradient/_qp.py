@@ -70,7 +70,7 @@ def solve_simplex_qp(gram: np.ndarray, backend: str = "builtin") -> SimplexQPSol
 
     ``backend`` is ``"builtin"`` (exact, default), ``"cvxpy"`` or ``"qpsolvers:<solver>"``
     (e.g. ``"qpsolvers:quadprog"``). ``gram`` is checked as every Gram passed in is
-    (:func:`mogradient._gram.validated_gram`). A zero row (a zero gradient) puts the
+    (`mogradient._gram.validated_gram`). A zero row (a zero gradient) puts the
     minimum at 0: such rows share the weight equally.
     """
     _check_backend(backend)
@@ -91,8 +91,8 @@ def solve_simplex_qp_factored(
     """The same QP for G = diag(norms) cosines diag(norms), with positive ``norms``.
 
     For callers that hold the Gram as cosines and norms
-    (:class:`mogradient._gram.CosineGram`), whose products may not fit in float64.
-    The objective is in units of ``norms`` squared.
+    ([`mogradient.harmonizers.CosineGram`][mogradient.harmonizers.CosineGram]), whose products may
+    not fit in float64. The objective is in units of ``norms`` squared.
 
     ``floor`` f in [0, 1/K] bounds every weight from below inside the QP (min a^T G a over
     {sum a = 1, a >= f}; the module docstring says how it is solved). f = 1/K leaves one
@@ -166,7 +166,7 @@ def simplex_kkt_residual(gram: np.ndarray, weights: np.ndarray, floor: float = 0
 def _kkt_residual(
     cosines: np.ndarray, sizes: np.ndarray, weights: np.ndarray, shift: float = 0.0
 ) -> float:
-    """:func:`simplex_kkt_residual` on cosines and sizes (norms in any common unit); with
+    """`simplex_kkt_residual` on cosines and sizes (norms in any common unit); with
     ``shift`` t = f / (1 - K f) > 0, ``weights`` are the b of a floored problem."""
     contributions = weights * sizes
     total = float(contributions.sum())

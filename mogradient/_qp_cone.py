@@ -5,8 +5,8 @@ projection of J^T lower onto the dual cone {d : J d >= 0} as d = J^T v (Quinton 
 2024, Prop. 1). We solve it exactly in float64 and report a KKT residual; ``cvxpy`` and
 ``qpsolvers:<name>`` backends exist to cross-check.
 
-UPGrad needs K of these QPs on one Gram: :func:`solve_cone_qps_factored` factors it once
-and solves them all together (:mod:`mogradient._batched_cone`, normal equations, each
+UPGrad needs K of these QPs on one Gram: `solve_cone_qps_factored` factors it once
+and solves them all together (`mogradient._batched_cone`, normal equations, each
 answer certified by its KKT residual), and only the ones it cannot certify one by one.
 
 The one-by-one solver never forms normal equations, which square the condition number
@@ -61,7 +61,7 @@ def solve_cone_qp(gram: np.ndarray, lower: np.ndarray, backend: str = "builtin")
 
     ``backend`` is ``"builtin"`` (exact active set, default), ``"cvxpy"`` or
     ``"qpsolvers:<solver>"``. ``gram`` is checked as every Gram passed in is
-    (:func:`mogradient._gram.validated_gram`). The built-in solver works in the span
+    (`mogradient._gram.validated_gram`). The built-in solver works in the span
     coordinates of the cosine matrix C = D^-1 G D^-1 (D = diag(||g_k||)), which stays
     well-conditioned when the gradients' norms differ by many orders of magnitude; the
     external backends get G / max(diag G) and lower / max|lower|. Results do not depend
@@ -89,7 +89,8 @@ def solve_cone_qp_factored(
 ) -> ConeQPSolution:
     """The same QP for G = diag(norms) cosines diag(norms) (norms >= 0; a zero norm's
     cosines are ignored), for callers that hold the Gram as cosines and norms
-    (:class:`mogradient._gram.CosineGram`). The objective is in units of ``norms`` squared.
+    ([`mogradient.harmonizers.CosineGram`][mogradient.harmonizers.CosineGram]). The objective is in
+    units of ``norms`` squared.
     """
     lower = np.asarray(lower, dtype=np.float64)
     return solve_cone_qps_factored(cosines, norms, lower[None, :], backend)[0]
@@ -98,10 +99,10 @@ def solve_cone_qp_factored(
 def solve_cone_qps_factored(
     cosines: np.ndarray, norms: np.ndarray, lowers: np.ndarray, backend: str = "builtin"
 ) -> list[ConeQPSolution]:
-    """:func:`solve_cone_qp_factored` for every row of ``lowers`` (m x K), one per QP.
+    """`solve_cone_qp_factored` for every row of ``lowers`` (m x K), one per QP.
 
     Why together: the built-in solver factors the cosines once and solves all the QPs at
-    once (:func:`mogradient._batched_cone.project_all`), each answer certified by its KKT
+    once (`mogradient._batched_cone.project_all`), each answer certified by its KKT
     residual; the few it cannot certify are solved one by one, exactly as alone.
     """
     cosines = np.asarray(cosines, dtype=np.float64)
@@ -174,7 +175,7 @@ def project_in_span(
     """The dual-cone projection of J^T lower, in exact span coordinates of the stack.
 
     ``coordinates`` (r x K) and ``norms`` come from
-    :func:`mogradient._span.coordinates_from_stack` (unit rows^T = Q R): the same
+    `mogradient._span.coordinates_from_stack` (unit rows^T = Q R): the same
     active-set method as the Gram path, on R instead of a Gram square root, so
     near-dependent gradients lose nothing. Returns weights v >= lower (possibly large:
     they cancel), the projection's coordinates y (d = Q y, formed without that
@@ -195,8 +196,8 @@ def project_in_span(
 def project_many_in_span(
     coordinates: np.ndarray, norms: np.ndarray, lowers: np.ndarray
 ) -> list[tuple[np.ndarray, np.ndarray, float]]:
-    """:func:`project_in_span` for every row of ``lowers`` (m x K): all at once on the
-    stack's R (:func:`mogradient._batched_cone.project_all`), the uncertified one by one."""
+    """`project_in_span` for every row of ``lowers`` (m x K): all at once on the
+    stack's R (`mogradient._batched_cone.project_all`), the uncertified one by one."""
     lowers = np.asarray(lowers, dtype=np.float64)
     targets = lowers * norms
     batch = project_all(torch.from_numpy(coordinates), torch.from_numpy(targets))
@@ -240,7 +241,7 @@ def cone_kkt_residual(gram: np.ndarray, lower: np.ndarray, weights: np.ndarray) 
 def _solve_builtin_many(
     cosines: np.ndarray, norms: np.ndarray, lowers: np.ndarray
 ) -> list[tuple[np.ndarray, float]]:
-    """:func:`_solve_builtin` for every row of ``lowers``: one factor, all QPs at once, the
+    """`_solve_builtin` for every row of ``lowers``: one factor, all QPs at once, the
     uncertified ones one by one."""
     rows = norms > 0
     if not np.any(rows) or len(lowers) == 0:
@@ -270,9 +271,9 @@ def _solve_builtin(
 ) -> tuple[np.ndarray, float]:
     """Weights giving the projection J^T v*, and the KKT residual of the solve.
 
-    ``factor`` is :func:`coordinates_from_cosines` of the rows with positive norms, when
+    ``factor`` is `coordinates_from_cosines` of the rows with positive norms, when
     the caller has it. The residual is measured where it is accurate: projection
-    optimality in the span coordinates (see :func:`_projection_residual`), and the
+    optimality in the span coordinates (see `_projection_residual`), and the
     conflict cosines -(G w)_k / (||g_k|| ||J^T lower||) of the weights actually returned.
     """
     rows = norms > 0

@@ -1,6 +1,6 @@
 """Amortized harmonization: a full solve every N steps, cached smoothed weights in between.
 
-With a :class:`~mogradient.combinable.CombinableLoss`, a cached step costs one backward
+With a [`CombinableLoss`][mogradient.combinable.CombinableLoss], a cached step costs one backward
 of ``loss.combined(weights)`` and applies exactly sum_k w_k g_k. Fallbacks are explicit:
 every step reports whether it solved, and why it did not use a fresh solution.
 """
@@ -49,8 +49,9 @@ class Amortizer:
     and says so; a solve with a single usable objective applies that objective alone for
     the step but does not overwrite the cache. Neither is a solution whose weights exceed
     the gradients' scale and cancel beyond the stack's precision
-    (``fallback="cancelling_weights"``, see :func:`cancellation_ratio`): re-applied to the
-    next steps' gradients, such weights give an update many times their size.
+    (``fallback="cancelling_weights"``, see
+    [`cancellation_ratio`][mogradient.amortize.cancellation_ratio]): re-applied to the next steps'
+    gradients, such weights give an update many times their size.
     """
 
     def __init__(

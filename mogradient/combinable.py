@@ -13,9 +13,9 @@ pass gives exactly sum_k w_k grad L_k, for any real weights, with masks and clam
 already folded into C. Terms outside the harmonization (a KL penalty) go in ``extra``.
 Terms must be finite: a NaN term poisons every combination, even with zero weight.
 
-A loss may also say where it meets the network row by row (:class:`RowValues`): then
-:mod:`mogradient.engines._rows` gets all K gradients from one backward per row value
-instead of one per objective.
+A loss may also say where it meets the network row by row
+([`RowValues`][mogradient.combinable.RowValues]): then `mogradient.engines._rows` gets all K
+gradients from one backward per row value instead of one per objective.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ chosen by name from a config, so they share one mechanism: an entry is registere
 a canonical name (lower snake case) with optional aliases (old spellings keep working),
 either as the thing itself or as ``"module:attribute"``, imported on first use so that a
 heavy dependency loads only when chosen. An unknown name fails with the choices and the
-closest matches. :func:`import_user_modules` imports a user's own modules, whose
-registrations then join the built-in ones.
+closest matches. [`import_user_modules`][mogradient.registry.import_user_modules] imports a user's
+own modules, whose registrations then join the built-in ones.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Every loop that harmonizes gradients needs the same five parts: the per-objectiv
 gradients by the cheapest exact engine (checked once against K backward passes), their
 mean over ranks, weights from an amortized harmonizer (a fresh solve on the stack, or the
 cached weights and one combined backward), the weighted sum written into ``.grad``, and a
-record of what happened. :class:`HarmonizedStep` owns them; clipping, the optimizer and
-logging stay with the caller. :func:`apply_weights` and :func:`apply_harmonized` are the
-apply part on its own, for loops that build their stack themselves.
+record of what happened. [`HarmonizedStep`][mogradient.step.HarmonizedStep] owns them; clipping, the
+optimizer and logging stay with the caller. [`apply_weights`][mogradient.step.apply_weights] and
+[`apply_harmonized`][mogradient.step.apply_harmonized] are the apply part on its own, for loops that
+build their stack themselves.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class Collective(Protocol):
 
 
 class DefaultGroup:
-    """:class:`Collective` over torch.distributed's default group (when initialized)."""
+    """[`Collective`][mogradient.step.Collective] over torch.distributed's default group (when
+    initialized)."""
 
     def average(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place mean over ranks (returns the tensor)."""
@@ -78,7 +80,7 @@ class DefaultGroup:
 
 
 def every_step(harmonizer: Harmonizer) -> Weigh:
-    """The :data:`Weigh` of a bare harmonizer: a fresh solve on every step, no cache."""
+    """The `Weigh` of a bare harmonizer: a fresh solve on every step, no cache."""
 
     def weigh(jacobian: torch.Tensor | None, count: int) -> AmortizedStep:
         if jacobian is None:
@@ -93,7 +95,8 @@ def every_step(harmonizer: Harmonizer) -> Weigh:
 
 
 def amortized(amortizer: Amortizer) -> Weigh:
-    """The :data:`Weigh` of an :class:`~mogradient.Amortizer`: solve on a stack, else cache."""
+    """The `Weigh` of an [`Amortizer`][mogradient.amortize.Amortizer]: solve on a stack, else
+    cache."""
 
     def weigh(jacobian: torch.Tensor | None, count: int) -> AmortizedStep:
         return amortizer.cached_step() if jacobian is None else amortizer.full_step(jacobian)
@@ -119,13 +122,15 @@ class StepReport:
 class HarmonizedStep:
     """Per-objective gradients, rank mean, weights, ``.grad`` and a report, for one step.
 
-    ``weigh`` is an :class:`~mogradient.Amortizer` (fresh solves on :meth:`solve` steps,
-    its cache on :meth:`combine` steps), a bare :class:`~mogradient.Harmonizer` (a solve on
-    every step), or any :data:`Weigh` function.
+    ``weigh`` is an [`Amortizer`][mogradient.amortize.Amortizer] (fresh solves on
+    [`solve`][mogradient.step.HarmonizedStep.solve] steps, its cache on
+    [`combine`][mogradient.step.HarmonizedStep.combine] steps), a bare
+    [`Harmonizer`][mogradient.harmonizers.Harmonizer] (a solve on every step), or any `Weigh`
+    function.
 
     ``losses`` are streams of ``(scale, CombinableLoss)`` pieces (gradient accumulation
-    over micro-batches; :meth:`~mogradient.CombinableLoss.separate` makes one of K plain
-    losses). ``replay()`` gives the same stream again (same draws): the per-row engine is
+    over micro-batches; [`separate`][mogradient.combinable.CombinableLoss.separate] makes one of K
+    plain losses). ``replay()`` gives the same stream again (same draws): the per-row engine is
     checked once against K backward passes on it, and a model the engine refuses is
     replayed with K backward passes; either way the run goes on with that engine, and
     ``warn`` says why. ``module`` holds the parameters (for the per-row engine; None
@@ -165,7 +170,8 @@ class HarmonizedStep:
         count: int | None = None,
         replay: Callable[[], LossStream] | None = None,
     ) -> StepReport:
-        """:meth:`solve` or, where the Amortizer schedules a cached step, :meth:`combine`."""
+        """[`solve`][mogradient.step.HarmonizedStep.solve] or, where the Amortizer schedules a
+        cached step, [`combine`][mogradient.step.HarmonizedStep.combine]."""
         if self.amortizer is not None and not self.amortizer.needs_full_solve():
             return self.combine(losses, count)
         return self.solve(losses, count, replay)
@@ -306,9 +312,9 @@ def apply_harmonized(
     """Harmonize a rank-averaged stack and write the direction into ``.grad``.
 
     The stack is identical on all ranks, so the float64 solve is too; the weights are
-    then broadcast and applied as in :func:`apply_weights`. A method whose direction is
-    not a weighted sum (TrimmedMean, GradDrop) has rank ``broadcast_from``'s direction
-    broadcast and written instead.
+    then broadcast and applied as in [`apply_weights`][mogradient.step.apply_weights]. A method
+    whose direction is not a weighted sum (TrimmedMean, GradDrop) has rank ``broadcast_from``'s
+    direction broadcast and written instead.
     """
     harmonization = harmonizer(jacobian)
     if not harmonizer.direction_is_weighted_sum:

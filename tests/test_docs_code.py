@@ -81,9 +81,11 @@ def _registries() -> list:
     from mogradient_diffusion.model.families import FAMILIES
     from mogradient_diffusion.objectives import OBJECTIVES
     from mogradient_diffusion.rewards import REWARDS
+    from mogradient_diffusion.runs.loggers import LOGGERS
     from mogradient_diffusion.strategies import STRATEGIES
 
-    return [HARMONIZERS, SCALARIZATIONS, PROMPT_SETS, FAMILIES, OBJECTIVES, REWARDS, STRATEGIES]
+    registries = [HARMONIZERS, SCALARIZATIONS, PROMPT_SETS, FAMILIES, OBJECTIVES, REWARDS]
+    return [*registries, STRATEGIES, LOGGERS]
 
 
 def test_the_pages_have_python_blocks_and_every_marker_names_a_reason() -> None:

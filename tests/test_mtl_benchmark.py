@@ -36,7 +36,16 @@ from benchmarks.mtl.train import Budget, seed_everything, task_losses, train  # 
 def test_quick_mode_runs_every_method_and_writes_its_results(tmp_path: Path) -> None:
     out = tmp_path / "mtl"
     subprocess.run(
-        [sys.executable, "-m", "benchmarks.mtl.run", "--quick", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.mtl.run",
+            "--quick",
+            "--workers",
+            "2",
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         check=True,
         timeout=600,

@@ -88,3 +88,49 @@ def test_missing_matplotlib_names_the_extra(
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install 'mogradient\[plot\]'"):
         plotting.plot_cosine_distributions({"mgda": [0.5]}, tmp_path / "x.png")
+
+
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Each saved figure, kept for inspection."""
+    saved: list = []
+    save = plotting._save
+    monkeypatch.setattr(plotting, "_save", lambda f, p: saved.append(f) or save(f, p))
+    return saved
+
+
+def test_per_step_tensors_are_stacked_and_ragged_ones_refused(tmp_path: Path) -> None:
+    steps = [torch.tensor([0.5, 0.5]), torch.tensor([0.2, 0.8])]
+    assert_png(plotting.plot_weight_trajectories({"m": [steps]}, tmp_path / "w.png"))
+    assert_png(plotting.plot_loss_curves({"m": [steps]}, tmp_path / "l.png"))
+    ragged = [torch.tensor([0.5, 0.5]), torch.tensor([0.2, 0.3, 0.5])]
+    with pytest.raises(ValueError, match=r"^weights\['m'\]\[0\]: .*lengths \[2, 3\]"):
+        plotting.plot_weight_trajectories({"m": [ragged]}, tmp_path / "x.png")
+    with pytest.raises(ValueError, match=r"losses\['m'\]\[0\] has shape \[3\]; expected \[steps"):
+        plotting.plot_loss_curves({"m": [torch.ones(3)]}, tmp_path / "x.png")
+    with pytest.raises(ValueError, match=r"cos_min\['m'\] has shape \[2, 2\]"):
+        plotting.plot_cosine_distributions({"m": torch.ones(2, 2)}, tmp_path / "x.png")
+    with pytest.raises(
+        ValueError, match=r"series\['a'\]\['mean'\] has shape \[2\]; expected \[3\]"
+    ):
+        plotting.plot_metric_panels({"a": [1.0, 2.0]}, tmp_path / "x.png", "t", [0, 1, 2], "epoch")
+
+
+def test_loss_panels_go_log_only_over_two_orders_of_magnitude(tmp_path: Path, figures) -> None:
+    wide = torch.tensor([[1000.0, 5.0], [10.0, 1.0], [0.5, 0.0]])
+    narrow = torch.tensor([[2.0, 1.0], [1.5, 0.5]])
+    plotting.plot_loss_curves({"wide": [wide], "narrow": [narrow]}, tmp_path / "l.png")
+    wide_axes, narrow_axes = figures[0].axes[:2]
+    assert (wide_axes.get_yscale(), wide_axes.get_ylabel()) == ("log", "loss (log scale)")
+    assert (narrow_axes.get_yscale(), narrow_axes.get_ylabel()) == ("linear", "loss")
+
+
+def test_solve_steps_are_filled_and_one_objective_is_said(tmp_path: Path, figures) -> None:
+    weights = {"marble": [torch.rand(4, 2)], "weighted_sum": [torch.ones(4, 1)]}
+    solved = {"marble": [[1, 0, 1, 0]]}
+    path = plotting.plot_weight_trajectories(weights, tmp_path / "w.png", solved=solved)
+    assert_png(path)
+    marble, scalar = figures[0].axes[:2]
+    hollow = [line for line in marble.get_lines() if line.get_markerfacecolor() == "none"]
+    assert sorted(len(line.get_xdata()) for line in hollow) == [0, 2, 2]  # and the legend's
+    assert [text.get_text() for text in scalar.texts] == [plotting.ONE_OBJECTIVE]

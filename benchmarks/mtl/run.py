@@ -199,10 +199,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny budget, one seed (< 2 min)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--workers", type=int, help="processes (default: 2, or 1 with --quick); runs are seeded"
+    )
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
-    workers = 1 if args.quick else args.workers
+    workers = args.workers or (1 if args.quick else min(2, os.cpu_count() or 1))
     torch.set_num_threads(1)
     load_start = os.getloadavg()
     started = time.perf_counter()

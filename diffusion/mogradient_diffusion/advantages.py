@@ -9,8 +9,9 @@ out of every statistic and stay NaN in the advantages. Standard deviations are
 population ones (ddof=0, as the references' ``np.std``). Under DDP, gather the rewards
 of all ranks first: the global std is a batch-wide statistic.
 
-:func:`gdpo_advantages` is GDPO's one combined advantage (per-reward group normalization,
-weighted sum, batch renormalization), with the official TRL code's conventions.
+[`gdpo_advantages`][mogradient_diffusion.advantages.gdpo_advantages] is GDPO's one combined
+advantage (per-reward group normalization, weighted sum, batch renormalization), with the official
+TRL code's conventions.
 
 Tensor maths only: the objectives and the strategies both build on it.
 """
@@ -159,9 +160,10 @@ def gdpo_advantages(
     applicable" as a reward of 0 within a group. Where a group's values of a reward all
     agree (or it holds one value: TRL gets NaN there and drops it with ``nansum``) its
     ``A_k`` is exactly 0, not round-off over eps. A sample where no reward with positive
-    weight applies gets NaN (it sits out, as in :func:`weighted_reward`) and stays out of
-    the batch statistics. Every prompt group's ``S`` sums to 0, so ``A`` has group mean 0:
-    an objective's own group centering leaves it unchanged.
+    weight applies gets NaN (it sits out, as in
+    [`weighted_reward`][mogradient_diffusion.advantages.weighted_reward]) and stays out of the batch
+    statistics. Every prompt group's ``S`` sums to 0, so ``A`` has group mean 0: an objective's own
+    group centering leaves it unchanged.
     """
     _check_batch(rewards, group_ids)
     if not eps > 0:

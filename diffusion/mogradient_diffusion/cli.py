@@ -21,7 +21,7 @@ from mogradient_diffusion.training_config import ConfigError, TrainingConfig, lo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mogradient-diffusion", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mogradient-diffusion", description=plain_help(__doc__))
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train",
@@ -29,7 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     train.add_argument("--config", type=Path, help="YAML recipe (see configs/)")
     train.add_argument(
-        "--preset", choices=["tiny"], help="built-in preset (default without a model path: tiny)"
+        "--preset",
+        choices=["tiny"],
+        help="built-in preset, the layer under --config (default: tiny when no model.path "
+        "is set, in the file or the overrides)",
     )
     train.add_argument(
         "--allow-config-change",
@@ -40,29 +43,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
     plot = commands.add_parser(
         "plot",
-        help="plot a run's curves and diagnostics into <run>/plots/",
+        help="plot a run's curves and diagnostics into <run>/plots/, or compare runs",
         description="Read <run>/metrics.jsonl and write PNGs to <run>/plots/: rewards.png "
         "(each reward's mean per epoch, one panel per reward, band ±1 std), weights.png "
-        "(the harmonizer's weight shares per optimizer step) and cosines.png (worst cosine "
-        "between the step and a reward's gradient), the last two when the run logged them. "
+        "(the harmonizer's weight shares per optimizer step, solve steps filled) and "
+        "cosines.png (worst cosine between the step and a reward's gradient), the last two "
+        "when the run logged them. Several runs are drawn into each figure once, a line per "
+        "run labelled by its folder name (its strategy where names collide), into --out. "
         "Prints the paths written.",
     )
-    plot.add_argument("run_dir", type=Path, help="a run directory written by `train`")
+    plot.add_argument("run_dir", type=Path, nargs="+", help="run directories written by `train`")
+    plot.add_argument("--out", type=Path, help="folder for the figures (needed for several runs)")
     _add_eval_parser(commands)
     compare = commands.add_parser(
         "compare",
         help="Table-1 style table over eval outputs",
-        description="Print a markdown table of `eval` outputs: each metric's headline "
-        "number, best bold and second underlined, and a composite: the mean over the metrics "
-        "every row has of the difference to the FIRST row (list the baseline first) in units "
-        "of the metric's per-image std. A † marks a value that differs from the first row's "
-        "by more than 1.96 combined standard errors. Evaluations made with different "
-        "settings are refused.",
+        description="Print a table of `eval` outputs: each metric's headline number, best "
+        "and second among the rows after the first marked (1) and (2), and a composite: the "
+        "mean over the metrics every row has of the difference to the FIRST row (list the "
+        "baseline first) in units of the metric's per-image std. A † marks a value that "
+        "differs from the first row's by more than 1.96 combined standard errors. "
+        "Evaluations made with different settings are refused.",
     )
     compare.add_argument(
         "eval_dirs", nargs="+", type=Path, help="eval --out folders; the first is the reference"
     )
-    compare.add_argument("--out", type=Path, help="also write the table to this file")
+    compare.add_argument(
+        "--out",
+        type=Path,
+        help="also write the table to this file: markdown (best bold, second underlined) "
+        "when it ends in .md, else plain text",
+    )
     compare.add_argument(
         "--allow-mixed-settings",
         action="store_true",
@@ -92,9 +103,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _exit_code(stop)
 
 
+def plain_help(text: str) -> str:
+    """A docstring as help text: reST roles and literals as plain words (``x`` and
+    `` :func:`~a.x` `` read x, `` :doc:`text <page>` `` reads text)."""
+
+    def role(match: re.Match) -> str:
+        content = re.sub(r"\s*<[^>]*>$", "", match.group(1))
+        return content[1:].rsplit(".", 1)[-1] if content.startswith("~") else content
+
+    text = re.sub(r":[\w:.+-]+:`([^`]*)`", role, text)
+    return re.sub(r"``([^`]+)``|`([^`]+)`", lambda m: m.group(1) or m.group(2), text)
+
+
 def _command(args: argparse.Namespace) -> int:
     if args.command == "plot":
-        return _plot(args.run_dir)
+        return _plot(args.run_dir, args.out)
     if args.command == "eval":
         return _eval(args)
     if args.command == "compare":
@@ -150,6 +173,32 @@ def _stop_signals(forced: str) -> Iterator[None]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+@contextmanager
+def quiet_libraries(quiet: bool) -> Iterator[None]:
+    """Under ``run.quiet``: diffusers' and transformers' loading bars off and their logging
+    down to errors, restored afterwards (``eval --quiet``: ``library_progress_bars``)."""
+    if not quiet:
+        yield
+        return
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    saved = [
+        (library, library.get_verbosity(), library.is_progress_bar_enabled())
+        for library in (diffusers_logging, transformers_logging)
+    ]
+    for library, _, _ in saved:
+        library.set_verbosity_error()
+        library.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for library, verbosity, bars in saved:
+            library.set_verbosity(verbosity)
+            if bars:
+                library.enable_progress_bar()
 
 
 def _stopped(stop: KeyboardInterrupt) -> str:
@@ -223,7 +272,10 @@ def _add_eval_parser(commands) -> None:
     fallback = {name: field.default for name, field in EvalSettings.__dataclass_fields__.items()}
 
     def from_run(key: str, otherwise: str) -> str:
-        return f"default: the run's {key} when --lora is in a run directory, else {otherwise}"
+        return (
+            f"default: the run's {key} when --lora is in a run directory or --model names "
+            f"a run, else {otherwise}"
+        )
 
     evaluate = commands.add_parser(
         "eval",
@@ -232,11 +284,13 @@ def _add_eval_parser(commands) -> None:
         "images/, samples.jsonl, summary.json, summary.md and grid.png to --out (a previous "
         "evaluation there is replaced). A --lora inside a run directory (<run>/lora, "
         "<run>/lora_ema) takes the model, steps, resolution, guidance, sequence length and "
-        "dtype from the run's config.yaml; a flag given here wins.",
+        "dtype from the run's config.yaml, and so does --model <run> (or <run>/tiny_model) "
+        "without --lora, for the base model as the run sampled it; a flag given here wins.",
     )
     evaluate.add_argument(
         "--model",
-        help="saved diffusers pipeline directory (" + from_run("model.path", "required") + ")",
+        help="saved diffusers pipeline directory, or a run directory for the run's base "
+        "model with the run's settings (" + from_run("model.path", "required") + ")",
     )
     evaluate.add_argument(
         "--lora", help="LoRA directory written by `train` (a run's lora/ or lora_ema/); none: base"
@@ -401,7 +455,9 @@ def _run_flags(args: argparse.Namespace) -> dict:
     from mogradient_diffusion.evaluation.inputs import run_defaults
 
     given = {name: getattr(args, name) for name in RUN_FLAGS if getattr(args, name) is not None}
-    config_path, from_run = run_defaults(args.lora)
+    config_path, from_run = run_defaults(args.lora, args.model)
+    if args.lora is None and "model" in from_run:  # --model named a run: its base model
+        given.pop("model")
     taken = {name: value for name, value in from_run.items() if name not in given}
     if args.steps_sweep is not None:  # the sweep's counts replace the run's steps
         taken.pop("steps", None)
@@ -456,10 +512,12 @@ def _metric_options(items: list[str]) -> dict[str, dict]:
 def _compare(eval_dirs: list[Path], out: Path | None, allow_mixed: bool) -> int:
     from mogradient_diffusion.evaluation.compare import comparison_table
 
-    try:
-        table = comparison_table(eval_dirs, allow_mixed_settings=allow_mixed)
+    try:  # markdown for a .md file, plain text for the terminal and other files
+        table = comparison_table(eval_dirs, allow_mixed_settings=allow_mixed, markdown=False)
         if out is not None:
-            out.write_text(table)
+            markdown = out.suffix.lower() in (".md", ".markdown")
+            text = comparison_table(eval_dirs, allow_mixed, markdown=True) if markdown else table
+            out.write_text(text)
     except (OSError, ValueError) as error:  # FileNotFoundError is an OSError
         print(f"mogradient-diffusion compare: {error}", file=sys.stderr)
         return 2
@@ -493,7 +551,9 @@ def _train(
         preset = "tiny"
     try:
         world_size = World.size_from_environment()  # torchrun's variables, checked first
-        config = load_config(config_path, overrides, preset=preset, world_size=world_size)
+        config = load_config(
+            config_path, overrides, preset=preset, world_size=world_size, default_preset="tiny"
+        )
     except ConfigError as error:
         print(f"mogradient-diffusion: configuration error: {error}", file=sys.stderr)
         return 2
@@ -516,7 +576,8 @@ def _train(
             if lock.previous:
                 holder = describe_holder(lock.previous)
                 print(f"mogradient-diffusion: taking over the lock left by {holder} (not running)")
-        run_dir = Trainer(config, world, allow_config_change=allow_change).run()
+        with quiet_libraries(config.run.quiet):
+            run_dir = Trainer(config, world, allow_config_change=allow_change).run()
     except (ConfigError, FileNotFoundError, RunDirectoryLocked) as error:
         print(f"mogradient-diffusion: {error}", file=sys.stderr)
         return 2
@@ -581,17 +642,19 @@ def _saved(config: TrainingConfig) -> str:
     return f"the last checkpoint, {latest}, is intact: the same command resumes from it"
 
 
-def _plot(run_dir: Path) -> int:
-    from mogradient_diffusion.runs.plots import plot_run
+def _plot(run_dirs: list[Path], out: Path | None) -> int:
+    from mogradient_diffusion.runs.plots import plot_runs
 
-    if not (run_dir / "metrics.jsonl").is_file():
-        print(
-            f"mogradient-diffusion plot: {run_dir} has no metrics.jsonl; is it a run directory?",
-            file=sys.stderr,
-        )
-        return 2
+    for run_dir in run_dirs:
+        if not (run_dir / "metrics.jsonl").is_file():
+            print(
+                f"mogradient-diffusion plot: {run_dir} has no metrics.jsonl; "
+                "is it a run directory?",
+                file=sys.stderr,
+            )
+            return 2
     try:
-        paths = plot_run(run_dir)
+        paths = plot_runs(run_dirs, out)
     except (OSError, ValueError) as error:  # damaged metrics.jsonl, unwritable plots/
         print(f"mogradient-diffusion plot: {error}", file=sys.stderr)
         return 2

@@ -142,10 +142,11 @@ TINY_PRESET: dict[str, Any] = {
         "max_sequence_length": 32,
     },
     "train": {"epochs": 3, "batch_size": 4, "timestep_fraction": 0.5, "learning_rate": 1e-3},
-    # min_share 0.1 (not 0.03): on the untrained tiny model's images the colours then
-    # differ within a group, so color_match gives some signal, not all-0 or all-1 groups.
+    # graded against 0.25: the untrained tiny model's images each hold about the same share
+    # of every color (0-20%), so a 0/1 threshold scored whole prompt groups alike (no
+    # signal in epochs 0-1); graded, every color but black differs within a group.
     "rewards": [
-        {"name": "color_match", "options": {"min_share": 0.1}},
+        {"name": "color_match", "options": {"min_share": 0.25, "graded": True}},
         {"name": "jpeg_incompressibility"},
     ],
     "strategy": {"name": "marble", "period": 2},
@@ -159,22 +160,28 @@ def load_config(
     overrides: list[str] = (),
     preset: str | None = None,
     world_size: int = 1,
+    default_preset: str | None = None,
 ) -> TrainingConfig:
     """Preset, then the YAML file, then ``a.b=value`` overrides; validated as a whole.
 
     Each is a layer; a layer that names another strategy starts that strategy from its
     own defaults (the options below it belonged to the strategy it replaces).
+    ``default_preset`` is the preset when none is named and no layer sets ``model.path``
+    (the tiny model is built then, and the full-size defaults do not fit it).
     """
+    file_layer = {} if path is None else _read_yaml(Path(path))
+    command_line: dict[str, Any] = {}
+    for override in overrides:
+        command_line = _merge(command_line, _parse_override(override))
+    if preset is None and not _names_model_path(_merge(file_layer, command_line)):
+        preset = default_preset
     raw: dict[str, Any] = {}
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         raw = _merge_layer(raw, _checked_sections(PRESETS[preset], f"preset {preset!r}"))
     if path is not None:
-        raw = _merge_layer(raw, _read_yaml(Path(path)))
-    command_line: dict[str, Any] = {}
-    for override in overrides:
-        command_line = _merge(command_line, _parse_override(override))
+        raw = _merge_layer(raw, file_layer)
     home = None if path is None else run_home(Path(path))
     if home is not None and "directory" not in command_line.get("run", {}):
         raw = _merge(raw, {"run": {"directory": str(home)}})
@@ -187,6 +194,11 @@ def load_config(
     expand_paths(config)
     validate(config, world_size)
     return config
+
+
+def _names_model_path(raw: dict[str, Any]) -> bool:
+    model = raw.get("model")
+    return isinstance(model, dict) and not _unset(model.get("path"))
 
 
 def expand_path(value: str, key: str) -> str:
@@ -309,6 +321,31 @@ def validate(config: TrainingConfig, world_size: int = 1) -> None:
     objective_class(config.objective.name).check_config(
         config.objective.settings, config.rollout, config.train
     )
+    _check_loggers(config.run)
+
+
+def _check_loggers(run: RunConfig) -> None:
+    """run.loggers: known names, jsonl kept (resume and plots read metrics.jsonl), and the
+    chosen backends' packages installed, before any model loads."""
+    import importlib.util
+
+    from mogradient_diffusion.runs.loggers import LOGGERS
+
+    try:
+        names = [LOGGERS.canonical(name) for name in run.loggers]
+    except UnknownNameError as error:
+        raise ConfigError(f"run.loggers: {error}") from None
+    if "jsonl" not in names:
+        raise ConfigError(
+            f"run.loggers={run.loggers} must include jsonl: resume and plots read metrics.jsonl"
+        )
+    _choice("run.wandb_mode", run.wandb_mode, ("offline", "online"))
+    for name in names:
+        logger = LOGGERS[name]
+        if logger.requires and importlib.util.find_spec(logger.requires) is None:
+            raise ConfigError(
+                f"run.loggers: {name} needs the {logger.requires} package: {logger.install}"
+            )
 
 
 def _check_resolution_fits(resolution: int, model_path: str | None) -> None:

@@ -1,19 +1,24 @@
 """Gradient engines: the K x D stack of per-objective gradients, by the cheapest exact path.
 
-- :func:`objective_gradients`: K losses, K backward passes (sequential or one vmapped pass).
-- :func:`combinable_gradients`: a :class:`~mogradient.CombinableLoss`'s K gradients;
-  :func:`accumulate_gradients` sums them over a stream of micro-batches.
-- :class:`RowGradients`: one backward pass per row value of a loss that says where it
-  meets the network row by row, for every K.
-- :class:`GradientEngine`: the per-row engine where it applies, checked once against K
-  backward passes, else K backward passes: what a training loop uses.
-- :func:`mtl_backward`: a shared trunk's harmonized gradient from the gradients with
-  respect to its output (one backward per objective through the heads only).
-- Across processes: :func:`distributed_objective_gradients` (DDP, or FSDP2 with the
-  frozen weights sharded by :func:`shard_frozen`); :mod:`mogradient.step` applies the
-  rank-averaged stack.
-- Writing and reading ``.grad``: :func:`write_gradient`, :func:`flat_gradient`;
-  :func:`select_parameters` picks the trained parameters.
+- [`objective_gradients`][mogradient.engines.objective_gradients]: K losses, K backward passes
+  (sequential or one vmapped pass).
+- [`combinable_gradients`][mogradient.engines.combinable_gradients]: a
+  [`CombinableLoss`][mogradient.combinable.CombinableLoss]'s K gradients;
+  [`accumulate_gradients`][mogradient.engines.accumulate_gradients] sums them over a stream of
+  micro-batches.
+- [`RowGradients`][mogradient.engines.RowGradients]: one backward pass per row value of a loss that
+  says where it meets the network row by row, for every K.
+- [`GradientEngine`][mogradient.engines.GradientEngine]: the per-row engine where it applies,
+  checked once against K backward passes, else K backward passes: what a training loop uses.
+- [`mtl_backward`][mogradient.engines.mtl_backward]: a shared trunk's harmonized gradient from the
+  gradients with respect to its output (one backward per objective through the heads only).
+- Across processes:
+  [`distributed_objective_gradients`][mogradient.engines.distributed_objective_gradients] (DDP, or
+  FSDP2 with the frozen weights sharded by [`shard_frozen`][mogradient.engines.shard_frozen]);
+  [`mogradient.step`][mogradient.step] applies the rank-averaged stack.
+- Writing and reading ``.grad``: [`write_gradient`][mogradient.engines.write_gradient],
+  [`flat_gradient`][mogradient.engines.flat_gradient];
+  [`select_parameters`][mogradient.engines.select_parameters] picks the trained parameters.
 """
 
 from mogradient._finite import all_finite

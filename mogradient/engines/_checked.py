@@ -1,11 +1,11 @@
 """Which engine computes an optimizer step's per-objective gradients, and its check.
 
-``train.gradient_engine: auto`` uses :class:`mogradient.engines._rows.RowGradients`
-(one backward pass per row value of the objective's losses) when every trained
-parameter sits in an ``nn.Linear`` (peft's LoRA layers do), and checks it once per
-process against the K-backward engine on a replay of the first solve step: a model that
-breaks its assumptions (rows mixed in the forward, a weight used outside its module)
-is then trained with the K-backward engine, with a warning, never with wrong
+``train.gradient_engine: auto`` uses
+[`mogradient.engines.RowGradients`][mogradient.engines.RowGradients] (one backward pass per row
+value of the objective's losses) when every trained parameter sits in an ``nn.Linear`` (peft's LoRA
+layers do), and checks it once per process against the K-backward engine on a replay of the first
+solve step: a model that breaks its assumptions (rows mixed in the forward, a weight used outside
+its module) is then trained with the K-backward engine, with a warning, never with wrong
 gradients. ``batched`` forces the K-backward engine (one vmapped backward with K
 cotangents), for comparison.
 """

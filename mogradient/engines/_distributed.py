@@ -2,9 +2,9 @@
 
 Each rank computes its K local gradients (under DDP inside ``no_sync()``, forward
 included, so DDP does not wait for a backward that never comes; a module sharded by
-:func:`mogradient.engines._sharding.shard_frozen` keeps its trained parameters whole, so nothing
-syncs them), then one all-reduce averages the K x D buffer. Every rank then holds the
-same stack, harmonizes it in float64 and writes the same direction into ``.grad``: the
+[`mogradient.engines.shard_frozen`][mogradient.engines.shard_frozen] keeps its trained parameters
+whole, so nothing syncs them), then one all-reduce averages the K x D buffer. Every rank then holds
+the same stack, harmonizes it in float64 and writes the same direction into ``.grad``: the
 optimizer step is synchronized without a second backward.
 """
 
@@ -35,8 +35,8 @@ def distributed_objective_gradients(
     """Rank-averaged K x D gradients of the losses ``compute_losses`` computes on this rank.
 
     ``model`` is a DDP wrapper (the forward then runs under ``no_sync``) or a module
-    sharded by :func:`~mogradient.engines._sharding.shard_frozen`. With ``rows`` (a
-    :class:`~mogradient.engines._rows.RowGradients` over the unwrapped module) the forward
+    sharded by [`shard_frozen`][mogradient.engines.shard_frozen]. With ``rows`` (a
+    [`RowGradients`][mogradient.engines.RowGradients] over the unwrapped module) the forward
     is recorded and a CombinableLoss that declares its rows gets its local stack from one
     backward pass per row value; the all-reduce is the same.
     """

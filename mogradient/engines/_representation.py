@@ -4,9 +4,9 @@ harmonized one for the trunk.
 A multi-task network computes shared features ``Z = trunk(x)`` and each task's loss from
 its own head on ``Z``. Only what the tasks share needs harmonizing: each head's update is
 its own loss's gradient, and the trunk's update combines the K per-task gradients of
-the trunk. :func:`mtl_backward` does both in one call, and reaches the trunk through the
-features: the K losses are differentiated down to ``Z`` (through the small heads), and
-only from there into the trunk.
+the trunk. [`mtl_backward`][mogradient.engines.mtl_backward] does both in one call, and reaches the
+trunk through the features: the K losses are differentiated down to ``Z`` (through the small heads),
+and only from there into the trunk.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def mtl_backward(
     that do not require grad, a loss that does not depend on the features, inconsistent
     parameter sets, and ``mode="features"`` with a coordinate-wise harmonizer
     (TrimmedMean, GradDrop: their weights do not give their direction);
-    :class:`~mogradient.errors.UnusedParameterError` for a shared parameter no loss
+    [`UnusedParameterError`][mogradient.errors.UnusedParameterError] for a shared parameter no loss
     reaches, and ``ValueError`` for a NaN/Inf loss, head gradient or trunk direction.
     Nothing is written to ``.grad`` when it raises.
     """

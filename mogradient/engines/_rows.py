@@ -1,7 +1,7 @@
 """K objective gradients for one backward pass per row value, from per-row gradients.
 
-A :class:`~mogradient.combinable.CombinableLoss` that declares its
-:class:`~mogradient.combinable.RowValues` s (V x R, each entry depending on the network
+A [`CombinableLoss`][mogradient.combinable.CombinableLoss] that declares its
+[`RowValues`][mogradient.combinable.RowValues] s (V x R, each entry depending on the network
 through one forward row) has grad L_k = sum_{v,r} c[k,v,r] grad s[v,r] with
 c = dL_k / ds. At a trainable ``nn.Linear`` (y = x W^T + b) the gradient of
 sum_r s[v,r] splits by rows as delta_r^T x_r, which the ordinary backward already holds
@@ -37,10 +37,11 @@ result of an engine takes one extra pass with random row weights u, whose rows m
 u_r times the plain ones (a mean over the batch in the forward or the row values breaks
 that). A BatchNorm normalizing with batch statistics on a trained path is refused when
 the forward is recorded, and parameters of any module but ``nn.Linear`` are refused by
-name; :attr:`RowGradients.supported` is false for both, so callers fall back to
-:func:`mogradient.engines._stack.combinable_gradients`. :func:`RowGradients.accumulate` with
-``verify=True`` compares whole stacks with the K-backward engine (the trainer does so
-once per run).
+name; [`RowGradients.supported`][mogradient.engines.RowGradients.supported] is false for both, so
+callers fall back to
+[`mogradient.engines.combinable_gradients`][mogradient.engines.combinable_gradients].
+[`RowGradients.accumulate`][mogradient.engines.RowGradients.accumulate] with ``verify=True``
+compares whole stacks with the K-backward engine (the trainer does so once per run).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class RowGradients:
     """Per-objective gradients from per-row gradients at the trainable ``nn.Linear`` s.
 
     ``module`` is searched for the owners of ``parameters`` (the flat order of the stack
-    is the order of ``parameters``, as in :mod:`mogradient.engines._stack`).
+    is the order of ``parameters``, as in `mogradient.engines._stack`).
     """
 
     def __init__(self, module: nn.Module, parameters: Sequence[torch.Tensor]) -> None:
@@ -204,8 +205,9 @@ class RowGradients:
     def recording(self) -> Iterator[None]:
         """Record the trainable Linears' calls of the forward run in the block.
 
-        What is recorded feeds the next :meth:`stack` or :meth:`gram` call; a forward
-        recomputed during backward (gradient checkpointing) runs outside and is ignored.
+        What is recorded feeds the next [`stack`][mogradient.engines.RowGradients.stack] or
+        [`gram`][mogradient.engines.RowGradients.gram] call; a forward recomputed during backward
+        (gradient checkpointing) runs outside and is ignored.
         """
         with self.hooked():
             self._start()
@@ -268,7 +270,7 @@ class RowGradients:
     def _recorded(
         self, losses: Iterable[tuple[float, CombinableLoss]]
     ) -> Iterator[tuple[float, CombinableLoss]]:
-        """The stream's pieces, each forward recorded; its calls wait for :meth:`_take`."""
+        """The stream's pieces, each forward recorded; its calls wait for `_take`."""
         iterator = iter(losses)
         while True:
             self._start()
@@ -288,8 +290,9 @@ class RowGradients:
     def stack(self, loss: CombinableLoss, retain_graph: bool = False) -> torch.Tensor:
         """The K x D stack of the recorded forward's ``loss`` (``extra`` excluded).
 
-        Raises :class:`RowGradientError` instead of rows that would be wrong (see the
-        module: other modules' parameters, mixed rows, a weight used outside its Linear).
+        Raises [`RowGradientError`][mogradient.engines.RowGradientError] instead of rows that would
+        be wrong (see the module: other modules' parameters, mixed rows, a weight used outside its
+        Linear).
         """
         return self._stack(loss, self._take(), retain_graph)
 
@@ -344,12 +347,12 @@ class RowGradients:
     ) -> torch.Tensor:
         """``sum scale * stack`` over a stream of pieces, recording each piece's forward.
 
-        As :func:`mogradient.engines._stack.accumulate_gradients` without weights: the
-        ``extra`` terms go to ``.grad`` (unless ``apply_extra`` is False). A piece that
-        declares no rows goes through the K-backward engine. ``verify``
+        As [`mogradient.engines.accumulate_gradients`][mogradient.engines.accumulate_gradients]
+        without weights: the ``extra`` terms go to ``.grad`` (unless ``apply_extra`` is False). A
+        piece that declares no rows goes through the K-backward engine. ``verify``
         also computes each piece with the K-backward engine and raises
-        :class:`RowGradientError` where they differ by more than round-off of
-        ``verify_dtype`` (the stack's by default; bfloat16 under bf16 autocast).
+        [`RowGradientError`][mogradient.engines.RowGradientError] where they differ by more than
+        round-off of ``verify_dtype`` (the stack's by default; bfloat16 under bf16 autocast).
         """
         self._refuse_unsupported()
 
@@ -473,8 +476,8 @@ class RowGradients:
         and output gradient, as (rows, positions, width) views, to ``consume`` as soon as
         autograd has them (so no pass holds them all at once).
 
-        Returns the pass's :class:`_Tally`, with the parameters' gradients that the
-        backward computes anyway, for :meth:`_check`.
+        Returns the pass's `_Tally`, with the parameters' gradients that the
+        backward computes anyway, for `_check`.
         """
         tally = _Tally(self, rows)
 
@@ -515,7 +518,7 @@ class RowGradients:
         return u, self._pass((u * values).sum(), captures, True, None, len(values), copies)
 
     def _check(self, tallies: list[_Tally], probe: tuple[torch.Tensor, _Tally] | None) -> None:
-        """Refuse the result where a comparison of :meth:`_comparisons` fails, by more than
+        """Refuse the result where a comparison of `_comparisons` fails, by more than
         round-off of the coarsest dtype seen; one device sync for all, at the end.
         ``supported`` is false after a refusal."""
         checks = [check for check in self._comparisons(tallies, probe) if check[1] is not None]
@@ -703,8 +706,9 @@ def _matmul_precision(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def _relative_tolerance(*dtypes: torch.dtype) -> float:
-    """sqrt(eps) of the coarsest dtype, as :func:`check_close`: round-off of sums over
-    rows and positions stays below it; a missed or mixed row moves entries by their size."""
+    """sqrt(eps) of the coarsest dtype, as [`check_close`][mogradient.engines.check_close]:
+    round-off of sums over rows and positions stays below it; a missed or mixed row moves entries by
+    their size."""
     return max(torch.finfo(dtype).eps for dtype in dtypes) ** 0.5
 
 

@@ -8,7 +8,7 @@ its gradient arrives only through FSDP's reduce-scatter into ``.grad``, one back
 (``ignored_params``) leaves them plain tensors that the forward reads directly: every
 engine (K backward passes, the per-row engine, the Gram) works unchanged on each rank,
 and the ranks average their local K x D stacks with one all-reduce, as under DDP
-(:func:`mogradient.engines._distributed.distributed_objective_gradients`).
+([`mogradient.engines.distributed_objective_gradients`][mogradient.engines.distributed_objective_gradients]).
 
 This fits adapter training, where the frozen base is what fills the memory: the LoRA
 stays replicated on every rank, and is small beside it (rank 64 on the 20 B Qwen-Image
@@ -73,8 +73,8 @@ def shard_frozen(
 
 
 def default_blocks(module: nn.Module) -> list[nn.Module]:
-    """The units :func:`shard_frozen` all-gathers one at a time unless told otherwise: the
-    members of ``module``'s top-level ``nn.ModuleList`` s."""
+    """The units [`shard_frozen`][mogradient.engines.shard_frozen] all-gathers one at a time unless
+    told otherwise: the members of ``module``'s top-level ``nn.ModuleList`` s."""
     return [
         block for child in module.children() if isinstance(child, nn.ModuleList) for block in child
     ]

@@ -2,7 +2,7 @@
 
 Two local engines: ``sequential`` (K backward passes, lowest peak memory) and
 ``batched`` (one vmapped backward with K cotangents, optionally in chunks). The DDP
-engine lives in :mod:`mogradient.engines._distributed`.
+engine lives in `mogradient.engines._distributed`.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def objective_gradients(
 
     A parameter that one loss does not depend on but another does contributes zeros to
     the first one's row. A parameter that no loss depends on raises
-    :class:`~mogradient.errors.UnusedParameterError`. ``retain_graph`` keeps the graph
-    alive after the last pass (for a later combined backward). ``parameters`` may be
+    [`UnusedParameterError`][mogradient.errors.UnusedParameterError]. ``retain_graph`` keeps the
+    graph alive after the last pass (for a later combined backward). ``parameters`` may be
     named (``module.named_parameters()``), so that the error names them.
     """
     parameters, names = _checked_parameters(parameters)
@@ -78,12 +78,13 @@ def combinable_gradients(
     chunk_size: int | None = None,
     retain_graph: bool = False,
 ) -> torch.Tensor:
-    """K x D gradients of a :class:`CombinableLoss`'s objectives (``extra`` excluded).
+    """K x D gradients of a [`CombinableLoss`][mogradient.combinable.CombinableLoss]'s objectives
+    (``extra`` excluded).
 
     ``batched`` back-propagates the shared terms once per chunk of objectives with the
     coefficients as cotangents, so the forward graph is walked K/chunk times in one
     vmapped pass instead of K separate ones. Unused parameters are handled as in
-    :func:`objective_gradients`.
+    [`objective_gradients`][mogradient.engines.objective_gradients].
     """
     parameters, names = _checked_parameters(parameters)
     if method == "sequential":
@@ -156,8 +157,9 @@ def accumulate_gradients(
     for measurements that must leave ``.grad`` alone). Both are exact for the same
     weights: ``.grad + combine(stack, w)`` equals the weighted path's ``.grad``. An empty
     stream gives a zero stack of ``count`` rows. ``piece_stack(loss, retain_graph)`` gives
-    a piece's stack (default: the K-backward :func:`combinable_gradients`; the per-row
-    engine passes its own).
+    a piece's stack (default: the K-backward
+    [`combinable_gradients`][mogradient.engines.combinable_gradients]; the per-row engine passes its
+    own).
     """
     parameters = list(parameters)
     if piece_stack is None:

@@ -1,7 +1,7 @@
 """Harmonizers: per-objective gradients (or their Gram) -> weights on the raw gradients.
 
 Every harmonizer is imported from here (its module is private) and registered once, below,
-in :data:`HARMONIZERS`, under a canonical name that this rule derives from the method's
+in `HARMONIZERS`, under a canonical name that this rule derives from the method's
 name as its authors write it (the same rule names scalarizations): lower snake case, split
 into words where the name has separate words (a hyphen, a space, or a capital that starts
 a new word after a lowercase letter: Nash-MTL -> ``nash_mtl``, IMTL-G -> ``imtl_g``,
@@ -73,7 +73,8 @@ HARMONIZERS.add("pcd", PCD)
 
 def make_harmonizer(name: str, **options: Any) -> Harmonizer:
     """Build a harmonizer by registry name or alias (``mgda``, ``nash_mtl``, ``upgrad``, ...);
-    an unknown name raises :class:`~mogradient.registry.UnknownNameError` (a ValueError).
+    an unknown name raises [`UnknownNameError`][mogradient.registry.UnknownNameError] (a
+    ValueError).
 
     A wrapper's ``inner`` harmonizer (CR-MOGM's) may be given by its registry name too.
     """

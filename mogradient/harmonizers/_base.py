@@ -43,10 +43,12 @@ _NUMPY_DTYPES = {
 
 @dataclass(frozen=True)
 class WeighResult:
-    """What :meth:`Harmonizer.weigh` computed on the valid objectives' Gram matrix.
+    """What [`Harmonizer.weigh`][mogradient.harmonizers.Harmonizer.weigh] computed on the valid
+    objectives' Gram matrix.
 
     Named for the method that returns it: in TorchJD a ``Weighting`` is the method itself.
-    A call's full result, weights on every objective, is a :class:`Harmonization`.
+    A call's full result, weights on every objective, is a
+    [`Harmonization`][mogradient.harmonizers.Harmonization].
     """
 
     weights: torch.Tensor
@@ -72,7 +74,8 @@ class Harmonization:
 
 
 class Harmonizer(ABC):
-    """Base class: validate, drop unusable objectives, delegate to :meth:`weigh`."""
+    """Base class: validate, drop unusable objectives, delegate to
+    [`weigh`][mogradient.harmonizers.Harmonizer.weigh]."""
 
     # Whether the direction is exactly sum_k w_k g_k of the reported weights. Methods that
     # work coordinate by coordinate (TrimmedMean, GradDrop) set it to False: their weights
@@ -220,7 +223,7 @@ class Harmonizer(ABC):
         numbering, for methods that keep per-objective state. ``gram.eps`` and
         ``gram.cosine_eps`` are the precisions of the gradients and of the cosines:
         decide that zero is in the hull, or that gradients are dependent, at those
-        (:func:`zero_in_hull`), never at float64's.
+        ([`zero_in_hull`][mogradient.harmonizers.zero_in_hull]), never at float64's.
         """
 
     def refine(
@@ -248,9 +251,9 @@ class Harmonizer(ABC):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; a state with other entries is refused
-        (an empty or foreign dict would otherwise leave the method silently fresh), and
-        so is one built for another K than this instance's calls had."""
+        """Restore what [`state_dict`][mogradient.harmonizers.Harmonizer.state_dict] saved; a state
+        with other entries is refused (an empty or foreign dict would otherwise leave the method
+        silently fresh), and so is one built for another K than this instance's calls had."""
         name = type(self).__name__
         expected, given = set(self.state_dict()), set(state)
         if given != expected:
@@ -474,7 +477,7 @@ def preferences_for(preferences: torch.Tensor | None, objectives: torch.Tensor) 
     """The usable objectives' preferences: 1/K' by default, else the configured entries.
 
     When some objectives were dropped the remaining preferences are rescaled to keep the
-    configured total (as :class:`~mogradient.harmonizers.FixedWeights` does), so
+    configured total (as [`FixedWeights`][mogradient.harmonizers.FixedWeights] does), so
     the update's size does not shrink with the number of objectives present.
     """
     count = len(objectives)
@@ -535,7 +538,7 @@ def _validated_jacobian(jacobian: torch.Tensor) -> torch.Tensor:
 
 def _usable_objectives(gram: torch.Tensor) -> torch.Tensor:
     """Objectives whose gradient is finite and not exactly zero, read off the diagonal of
-    the row-scaled Gram (:func:`~mogradient._gram.scaled_gram`).
+    the row-scaled Gram (`scaled_gram`).
 
     A NaN or Inf anywhere in a gradient makes its squared norm non-finite; the other
     objectives' entries stay usable. A small gradient is still a gradient: the scaled

@@ -3,7 +3,7 @@
 Their direction is not a weighted sum of the gradients, so it needs the stack, and the
 weights they report are a stand-in: the least-squares w with J^T w closest to d, which
 reproduce only d's part in the gradients' span. ``direction_is_weighted_sum`` is False,
-so an :class:`~mogradient.amortize.Amortizer` refuses them.
+so an [`Amortizer`][mogradient.amortize.Amortizer] refuses them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ SPAN_COLUMNS = 1 << 20
 class CoordinatewiseHarmonizer(Harmonizer):
     """A harmonizer whose direction is computed on the stack, coordinate by coordinate.
 
-    Subclasses implement :meth:`direction_of`. The result's ``extras`` say what the
+    Subclasses implement `direction_of`. The result's ``extras`` say what the
     weights are: ``"weights": "least_squares"`` and ``"weights_residual"``, the relative
     distance ||J^T w - d|| / ||d|| (0 only when d lies in the gradients' span).
     """
@@ -56,7 +56,7 @@ class CoordinatewiseHarmonizer(Harmonizer):
             self._stack_given = False
 
     def weigh(self, gram: CosineGram, objectives: torch.Tensor) -> WeighResult:
-        """A placeholder that :meth:`refine` replaces; refused outside a call on a stack."""
+        """A placeholder that `refine` replaces; refused outside a call on a stack."""
         if not self._stack_given:
             raise ValueError(
                 f"{type(self).__name__} needs the gradient stack, not weights on a Gram "

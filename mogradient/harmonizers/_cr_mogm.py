@@ -29,8 +29,9 @@ class CRMOGM(Harmonizer):
     time starts from ``initial_weights[k]`` if given, else from lambda^_t (so the first call
     returns ``inner``'s weights, as TorchJD's ``CRMOGMWeighting`` does). An objective
     dropped for a step keeps its lambda. When ``inner`` recomputes its weights on the stack
-    (:meth:`Harmonizer.refine`), the average uses the recomputed ones. Gram-only exactly
-    when ``inner`` is; ``inner``'s state is saved with this one's.
+    ([`Harmonizer.refine`][mogradient.harmonizers.Harmonizer.refine]), the average uses the
+    recomputed ones. Gram-only exactly when ``inner`` is; ``inner``'s state is saved with this
+    one's.
     """
 
     keeps_objective_state: ClassVar[bool] = True

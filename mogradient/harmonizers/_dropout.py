@@ -16,10 +16,11 @@ class RewardDropout(Harmonizer):
     ``droppable`` lists the objectives that may be dropped (default: all). p ramps
     linearly from 0 over ``warmup_steps`` calls. If every usable objective would be
     dropped, one of them, chosen uniformly, is kept so a step is never empty. The
-    inner harmonizer sees only the kept objectives (:class:`FixedWeights` rescales
-    them to its configured total). Inside an :class:`~mogradient.amortize.Amortizer` a
-    mask lasts as long as the cached weights: use ``period=1`` for a fresh mask per step
-    (cheap: the wrapped weighting needs no gradients).
+    inner harmonizer sees only the kept objectives
+    ([`FixedWeights`][mogradient.harmonizers.FixedWeights] rescales them to its configured total).
+    Inside an [`Amortizer`][mogradient.amortize.Amortizer] a mask lasts as long as the cached
+    weights: use ``period=1`` for a fresh mask per step (cheap: the wrapped weighting needs no
+    gradients).
     """
 
     randomized: ClassVar[bool] = True

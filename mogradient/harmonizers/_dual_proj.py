@@ -31,7 +31,8 @@ class DualProj(Harmonizer):
     non-negative inner product with every gradient, i.e. J^T v with
     v = argmin v^T G v s.t. v >= p, solved exactly on the Gram matrix.
     ``reg_eps > 0`` reproduces TorchJD's default projector (G / trace(G) + reg_eps * I;
-    TorchJD uses 1e-4); the default 0 is exact. ``refine`` as in :class:`UPGrad`.
+    TorchJD uses 1e-4); the default 0 is exact. ``refine`` as in
+    [`UPGrad`][mogradient.harmonizers.UPGrad].
     """
 
     promises: ClassVar[frozenset[str]] = frozenset(

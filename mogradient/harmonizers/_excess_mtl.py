@@ -31,7 +31,7 @@ class ExcessMTL(Harmonizer):
     estimate, its first update the second call's).
 
     Not Gram-only: H_k is per parameter, so the method reads the stack itself. Calling it
-    with ``gram=`` raises, and so does a wrapper that calls :meth:`weigh` without the stack.
+    with ``gram=`` raises, and so does a wrapper that calls `weigh` without the stack.
 
     State, per objective in the caller's numbering: lambda, the root of its accumulated
     squared gradients sqrt(sum_t g_(k,t)^2) (a D-long vector in the stack's dtype and on its

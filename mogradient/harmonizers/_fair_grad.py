@@ -38,14 +38,14 @@ class FairGrad(Harmonizer):
     is in the convex hull of the gradients (a Pareto-stationary point: no direction
     improves every objective); then the weights are zero with
     ``fallback="pareto_stationary"``. Zero is in the hull when it is within the
-    gradients' precision (:func:`~mogradient.harmonizers._base.zero_in_hull`): a float32
+    gradients' precision ([`zero_in_hull`][mogradient.harmonizers.zero_in_hull]): a float32
     stack is known to ~1e-7, and the float64 solution for its rounded entries cancels
     into a float32 direction that conflicts with half the gradients. ``kkt_residual`` is
     the largest relative violation of the promise (C b)_k = demand_k by d = sum_k b_k u_k
     formed in the gradients' precision eps: max_k (|(C b)_k - demand_k| + eps sum_j b_j)
     / demand_k. Solved on the Gram only: for near-dependent gradients (smallest cosine
     eigenvalue lambda near eps) the weights carry relative errors up to ~eps / lambda;
-    there is no refinement on the stack as in :class:`~mogradient.harmonizers._config_grad.ConFIG`.
+    there is no refinement on the stack as in [`ConFIG`][mogradient.harmonizers.ConFIG].
     """
 
     promises: ClassVar[frozenset[str]] = frozenset(

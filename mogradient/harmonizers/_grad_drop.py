@@ -27,7 +27,7 @@ class GradDrop(CoordinatewiseHarmonizer):
     paper's f (default: identity). With zero leaks every coordinate of the update sums
     gradient values of a single sign, chosen with probability f(P); nothing keeps the
     update free of conflict across coordinates. Needs the stack; the weights are
-    least-squares stand-ins (:mod:`mogradient.harmonizers._coordinatewise`).
+    least-squares stand-ins (`mogradient.harmonizers._coordinatewise`).
 
     Applied here to parameter gradients, as TorchJD does; the paper applies it to the
     gradients at an activation layer. U is drawn in float64 from a private generator

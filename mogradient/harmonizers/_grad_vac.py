@@ -21,9 +21,10 @@ class GradVac(Harmonizer):
     / (||g_j|| sqrt(1 - phi_hat^2)); then phi_hat_ij <- (1 - beta) phi_hat_ij + beta phi.
     The direction is the sum of the corrected gradients. Targets start at 0 (which makes
     the first step PCGrad-like) and are kept per ordered pair of the caller's objective
-    indices, so they survive objectives being dropped for a step; :meth:`reset` clears
-    them. Everything is tracked as coefficients on the raw gradients through the Gram
-    matrix (normalized by its largest diagonal, which leaves the weights unchanged).
+    indices, so they survive objectives being dropped for a step;
+    [`reset`][mogradient.harmonizers.GradVac.reset] clears them. Everything is tracked as
+    coefficients on the raw gradients through the Gram matrix (normalized by its largest diagonal,
+    which leaves the weights unchanged).
 
     ``beta`` defaults to 1e-2 (the paper's setting; TorchJD and LibMTL default to 0.5).
     ``eps`` guards denominators, as TorchJD's, but relative to the largest gradient norm.

@@ -42,16 +42,24 @@ class MGDA(Harmonizer):
       m alpha_k v_k / ||g_k||). The direction still conflicts with no gradient.
     - ``alpha_lower_bound`` f bounds every alpha_k from below *inside* the QP: min over
       {sum alpha = 1, alpha >= f}, solved as a simplex QP in b, alpha = f + (1 - K f) b
-      (:func:`mogradient._qp.solve_simplex_qp_factored`). As in the release, a negative
+      (`mogradient._qp.solve_simplex_qp_factored`). As in the release, a negative
       f counts as 0 and f > 1/K as 1/K (uniform alpha), K the usable objectives.
 
-    Two are ours, applied to the solved alpha*: ``preferences`` p tilt it (alpha_k
-    proportional to p_k alpha_k*), ``alpha_floor`` f mixes in a uniform share,
-    alpha = f + (1 - K f) alpha*, which keeps alpha's ranking (f K > 1 is refused).
+    Two are ours, applied to the solved ``alpha*``: ``preferences`` p tilt it (``alpha_k``
+    proportional to ``p_k alpha_k*``), ``alpha_floor`` f mixes in a uniform share,
+    ``alpha = f + (1 - K f) alpha*``, which keeps alpha's ranking (f K > 1 is refused).
     A floor of either kind, and preferences, trade the non-conflict guarantee for control;
     all are off by default, and ``promises`` are those of the default options. Options
     that would act on alpha twice (both floors; preferences with ``unit_weights`` or
     ``alpha_lower_bound``) are refused.
+
+    ``backend`` picks the QP solver: ``"builtin"`` (the default: Wolfe's method in float64,
+    exact, no dependency), ``"cvxpy"`` (cvxpy with Clarabel) or ``"qpsolvers:<solver>"``
+    with any solver qpsolvers names (``"qpsolvers:quadprog"``, ``"qpsolvers:clarabel"``,
+    ``"qpsolvers:daqp"``, ``"qpsolvers:proxqp"``, ``"qpsolvers:osqp"`` are installed by the
+    ``solvers`` extra, ``pip install 'mogradient[solvers]'``). The external backends solve
+    the same unit-scaled problem to their own tolerances, to cross-check the built-in one;
+    another string fails with a ``ValueError`` at the first solve.
     """
 
     promises: ClassVar[frozenset[str]] = frozenset(

@@ -23,7 +23,7 @@ class MoDo(Harmonizer):
     lambda <- Proj(lambda - gamma (J J^T lambda + rho lambda)), and are the weights of the
     update: the two steps of the authors' code (heshandevaka/Trade-Off-MOL,
     LibMTL/LibMTL/weighting/MoDo.py). lambda starts uniform and is kept per objective
-    (:class:`~mogradient.harmonizers._simplex.ObjectiveWeights`).
+    (`ObjectiveWeights`).
 
     Variant forced by the single-stack contract: the authors' code, and TorchJD's
     ``MoDoWeighting``, form J_1 J_2^T from two independent mini-batches, an unbiased

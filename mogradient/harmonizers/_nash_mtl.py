@@ -33,7 +33,7 @@ class NashMTL(Harmonizer):
     phi is unbounded below and no solution exists: no direction improves every objective,
     so the weights are zero (``fallback="pareto_stationary"``). A ridged solve would
     return huge weights that cancel, which an amortized cache must never keep. "Zero"
-    is taken at the gradients' precision (:func:`~mogradient.harmonizers._base.zero_in_hull`):
+    is taken at the gradients' precision ([`zero_in_hull`][mogradient.harmonizers.zero_in_hull]):
     a float32 pair [x, -1.3 x] is opposed within float32's, and the exact solution for
     its rounded entries (weights ~1e7) gives a float32 direction of pure round-off.
     ``kkt_residual`` is the largest relative violation of the promise u_k . d = 1/beta_k

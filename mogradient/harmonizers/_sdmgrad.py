@@ -41,8 +41,8 @@ class SDMGrad(Harmonizer):
     that makes its weights depend on the gradients' scale below norms of ~1e-3. The
     base class only passes non-zero gradients, so we divide by (mean norm)^2 itself and the
     weights are exactly invariant to a common scale of the gradients; both are computed in
-    each gradient's units (:class:`~mogradient._gram.CosineGram`), so they stay exact at any
-    spread. Defaults follow TorchJD and the authors' code and run scripts (lr 10, momentum
+    each gradient's units ([`CosineGram`][mogradient.harmonizers.CosineGram]), so they stay exact at
+    any spread. Defaults follow TorchJD and the authors' code and run scripts (lr 10, momentum
     0.5, 20 steps, lambda 0.3). A ``pref_vector`` gives one entry per objective; when some are
     dropped the rest are rescaled to keep its total.
     """

@@ -25,7 +25,7 @@ class TrimmedMean(CoordinatewiseHarmonizer):
     conflict. Needs the stack and K' >= 2b + 1 usable gradients (zero or non-finite
     ones are left out, as by every harmonizer). The values are averaged in float64 and
     rounded once to the stack's dtype. The weights are least-squares stand-ins
-    (:mod:`mogradient.harmonizers._coordinatewise`).
+    (`mogradient.harmonizers._coordinatewise`).
     """
 
     promises: ClassVar[frozenset[str]] = frozenset({PERMUTATION_INVARIANT, LINEAR_UNDER_SCALING})

@@ -42,17 +42,17 @@ class UPGrad(Harmonizer):
     so it conflicts with no objective. On the Gram matrix the projection of p_i g_i is
     J^T v_i with v_i = argmin v^T G v s.t. v >= p_i e_i, and the weights are sum_i v_i.
     Every QP is solved exactly, all K together on one factorization of the Gram
-    (:func:`mogradient._qp_cone.solve_cone_qps_factored`; each answer certified by its KKT
+    (`mogradient._qp_cone.solve_cone_qps_factored`; each answer certified by its KKT
     residual, the uncertified ones solved one by one). That takes ~0.25 s at K = 256 on
     well-conditioned Grams but seconds from K = 128 on ill-conditioned or low-rank ones
     (docs/core/methods.md, "UPGrad at large K"): a solve over ``SLOW_SOLVE_SECONDS``
-    warns once per instance (:class:`SlowSolveWarning`).
+    warns once per instance ([`SlowSolveWarning`][mogradient.harmonizers.SlowSolveWarning]).
 
     ``reg_eps > 0`` reproduces TorchJD's default projector, which solves the QP on
     G / trace(G) + reg_eps * I (TorchJD uses 1e-4); the default 0 is the exact method.
     With ``refine=True`` (default) and a gradient stack given, near-dependent gradients
     are re-solved in exact span coordinates from a QR of the stack
-    (:func:`mogradient._span.coordinates_from_stack`, one O(D K^2) factorization);
+    (`mogradient._span.coordinates_from_stack`, one O(D K^2) factorization);
     ``refine=False`` keeps the Gram-only solve, cheaper for huge D.
     """
 

@@ -15,9 +15,9 @@ class FixedWeights(Harmonizer):
     """Weighted sum sum_k w_k g_k, the standard multi-reward baseline (linear scalarization).
 
     When some objectives are unusable (zero / non-finite gradient, or dropped by
-    :class:`RewardDropout`) the remaining weights are rescaled to keep the configured
-    total magnitude (L1 norm), so the update's size does not shrink with the number of
-    objectives present.
+    [`RewardDropout`][mogradient.harmonizers.RewardDropout]) the remaining weights are rescaled to
+    keep the configured total magnitude (L1 norm), so the update's size does not shrink with the
+    number of objectives present.
     ``weights=None`` is the plain sum: weight 1 for every objective present.
     """
 

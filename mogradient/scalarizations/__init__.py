@@ -1,7 +1,7 @@
 """Scalarizations: K task losses (with graph) -> one loss to backpropagate, and its weights.
 
 Every scalarization is imported from here (its module is private) and registered once,
-below, in :data:`SCALARIZATIONS`, named by the rule in :mod:`mogradient.harmonizers`
+below, in `SCALARIZATIONS`, named by the rule in [`mogradient.harmonizers`][mogradient.harmonizers]
 (IMTL-L -> ``imtl_l``, GradNorm -> ``grad_norm``, DB-MTL -> ``db_mtl``, MoCo -> ``moco``);
 earlier spellings stay aliases.
 """
@@ -42,7 +42,8 @@ SCALARIZATIONS.add("cosmos", COSMOS)
 
 def make_scalarization(name: str, **options: Any) -> Scalarization:
     """Build a scalarization by registry name or alias (``uw``, ``famo``, ``db_mtl``, ...);
-    an unknown name raises :class:`~mogradient.registry.UnknownNameError` (a ValueError)."""
+    an unknown name raises [`UnknownNameError`][mogradient.registry.UnknownNameError] (a
+    ValueError)."""
     return SCALARIZATIONS[name](**options)
 
 

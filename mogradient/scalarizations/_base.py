@@ -38,9 +38,10 @@ class ScalarizedLoss:
 
     ``weights[k]`` is d loss / d L_k at the current losses, the factor the task's
     gradient gets in ``loss.backward()`` (the same meaning as a harmonizer's weights on
-    the raw gradients, so they can go to :func:`mogradient.conflict_diagnostics`).
-    Detached, on the losses' device. They need not be positive or sum to anything: PBI's
-    can be negative. ``extras`` holds method-specific values worth logging.
+    the raw gradients, so they can go to
+    [`mogradient.conflict_diagnostics`][mogradient.diagnostics.conflict_diagnostics]). Detached, on
+    the losses' device. They need not be positive or sum to anything: PBI's can be negative.
+    ``extras`` holds method-specific values worth logging.
     """
 
     loss: torch.Tensor
@@ -49,7 +50,8 @@ class ScalarizedLoss:
 
 
 class Scalarization(nn.Module, ABC):
-    """Base class: validate the loss vector, delegate to :meth:`scalarize`.
+    """Base class: validate the loss vector, delegate to
+    [`scalarize`][mogradient.scalarizations.Scalarization.scalarize].
 
     ``num_tasks`` pins K: required by methods with per-task state (they size it at
     construction so that ``parameters()`` exist before the optimizer is built), optional

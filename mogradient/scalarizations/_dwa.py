@@ -15,9 +15,9 @@ class DWA(Scalarization):
     epochs: a task whose loss stopped falling (r near 1 or above) gets more weight. The
     weights are constants in the backward pass, and uniform (1) until two epochs have
     been averaged: the rule of the authors' code (lorenmt/mtan, im2im_pred/utils.py). Call
-    :meth:`end_epoch` once at the end of every epoch; calling it every step gives the
-    per-step variant some implementations use. ``temperature`` T defaults to 2, the
-    authors' code's default; larger is more uniform.
+    [`end_epoch`][mogradient.scalarizations.DWA.end_epoch] once at the end of every epoch; calling
+    it every step gives the per-step variant some implementations use. ``temperature`` T defaults to
+    2, the authors' code's default; larger is more uniform.
 
     State (in ``state_dict``): the running sum of this epoch's losses, its batch count,
     and the last two epoch averages. The ratio needs positive averages.

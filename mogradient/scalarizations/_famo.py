@@ -28,12 +28,12 @@ class FAMO(Scalarization):
     z = softmax(w) and c = 1 / sum_k z_k / (L_k - b_k + eps) held constant, so the model's
     gradient is the convex combination sum_k (c z_k / (L_k - b_k + eps)) grad L_k: the
     weighted gradient of the log-losses, rescaled. The logits w are then learned from
-    the losses themselves: after the optimizer step, :meth:`update` takes the realized
-    log-loss decrease delta_k = log(L_k^before - b_k + eps) - log(L_k^after - b_k + eps)
-    on the same batch, and steps w along -J_softmax^T delta (tasks that fell more lose
-    weight) with its own Adam (L2 decay ``weight_decay``, the gamma of the authors' code).
-    Both steps, and the 1e-8 guard ``eps``, are those of the authors' code (Cranial-XIX/FAMO,
-    famo.py).
+    the losses themselves: after the optimizer step,
+    [`update`][mogradient.scalarizations.FAMO.update] takes the realized log-loss decrease delta_k =
+    log(L_k^before - b_k + eps) - log(L_k^after - b_k + eps) on the same batch, and steps w along
+    -J_softmax^T delta (tasks that fell more lose weight) with its own Adam (L2 decay
+    ``weight_decay``, the gamma of the authors' code). Both steps, and the 1e-8 guard ``eps``, are
+    those of the authors' code (Cranial-XIX/FAMO, famo.py).
 
     Call order each step: ``result = famo(losses)``, ``result.loss.backward()``,
     ``optimizer.step()``, then ``famo.update(losses_recomputed_after_the_step)`` (same

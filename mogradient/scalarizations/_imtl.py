@@ -16,11 +16,11 @@ class IMTL(Scalarization):
     """Impartial multi-task learning, both halves (Liu et al. 2021, ICLR, the hybrid IMTL).
 
     IMTL-L scales each loss by a learned exp(s_k): the scaled losses are
-    l_k = exp(s_k) L_k - s_k (the composed :class:`IMTLL`, whose log-scales s are this
-    module's parameters). IMTL-G then weighs the scaled losses' gradients on the shared
-    parameters, g_k = exp(s_k) grad_shared L_k, with the closed form of the
-    :class:`~mogradient.IMTLG` harmonizer: alpha summing to 1 such that d = sum_k alpha_k g_k
-    has the same projection on every unit gradient g_k / ||g_k||.
+    l_k = exp(s_k) L_k - s_k (the composed [`IMTLL`][mogradient.scalarizations.IMTLL], whose
+    log-scales s are this module's parameters). IMTL-G then weighs the scaled losses' gradients on
+    the shared parameters, g_k = exp(s_k) grad_shared L_k, with the closed form of the
+    [`IMTLG`][mogradient.harmonizers.IMTLG] harmonizer: alpha summing to 1 such that d = sum_k
+    alpha_k g_k has the same projection on every unit gradient g_k / ||g_k||.
 
     The returned loss is the surrogate sum_k l_k + <d - sum_k g_k, theta_shared> (the added
     term detached, its value zero): its backward gives the shared parameters d, each head

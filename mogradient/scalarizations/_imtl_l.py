@@ -17,7 +17,7 @@ class IMTLL(Scalarization):
     sum_k exp(s_k) L_k - s_k. Minimizing over s_k gives exp(s_k) = 1 / L_k, so every
     scaled loss is driven towards 1 and no task dominates by the size of its loss alone.
     It is UW with the sign of the parameter flipped and without the factor 1/2. The
-    gradient-balancing half, IMTL-G, is the :class:`~mogradient.IMTLG` harmonizer.
+    gradient-balancing half, IMTL-G, is the [`IMTLG`][mogradient.harmonizers.IMTLG] harmonizer.
 
     The log-scales are parameters: add ``parameters()`` to the optimizer (without weight
     decay). They start at ``init`` (0: the plain sum, as in TorchJD). A negative loss

@@ -360,6 +360,14 @@ def test_color_match_on_synthetic_images():
     torch.testing.assert_close(scores, torch.tensor([1.0, 0.5, math.nan, 0.5, 0.0]), equal_nan=True)
     assert ColorMatch(min_share=0.003)(images[4:], ["a green dot"]).item() == 1.0
 
+    # graded: the share over the threshold, capped at 1; a green speck of 4/1024 pixels
+    # against min_share 0.03 scores (4 / 1024) / 0.03 = 0.130
+    graded = ColorMatch(graded=True)(images, prompts)
+    expected = [1.0, 0.5, math.nan, (1.0 + 4 / 1024 / 0.03) / 2, 4 / 1024 / 0.03]
+    torch.testing.assert_close(graded, torch.tensor(expected), equal_nan=True)
+    with pytest.raises(ValueError, match="graded must be true or false"):
+        ColorMatch(graded="yes")
+
 
 def disks(centres: list[tuple[int, int]], size: int = 64, radius: int = 6) -> np.ndarray:
     image = Image.new("RGB", (size, size), (250, 250, 245))

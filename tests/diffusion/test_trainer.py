@@ -49,6 +49,10 @@ def test_marble_tiny_run_writes_metrics_plots_and_a_diffusers_lora(tmp_path: Pat
     assert [step["solved"] for step in steps[first:]][:2] in ([1, 0], [1])
     assert all(math.isfinite(w) for step in steps for w in step["weights"])
     assert math.isfinite(records[-1]["reward/jpeg_incompressibility/mean"])
+    # The preset is multi-objective from its first step: both rewards have signal in every
+    # epoch, so no solve falls back to one objective (a 0/1 color check had none at first).
+    assert all(record["objectives_without_signal"] == [] for record in records)
+    assert not [step for step in steps if step["fallback"] == "single_objective"]
     # The old adapter starts as a copy of the trained one, then lags behind it.
     trained = [step for step in steps if step.get("skipped") != "no reward signal"]
     gaps = [step["objective/velocity_gap_to_old"] for step in trained]

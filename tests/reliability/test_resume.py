@@ -82,16 +82,30 @@ def test_the_run_records_the_lora_targets_it_trained(trained_run: Path) -> None:
     assert state["config"]["lora"]["target_modules"] == list(SD3.lora_targets)
 
 
-def test_a_run_directory_with_another_config_and_no_checkpoint_is_refused(
-    tmp_path: Path, tiny_pipeline_dir: Path, capsys, never_load_the_model
+def test_a_run_directory_with_another_config_and_no_checkpoint_starts_again(
+    tmp_path: Path, tiny_pipeline_dir: Path, capsys
 ) -> None:
+    """Nothing was trained there (a run that died before its first checkpoint): the new
+    config replaces config.yaml, with a note naming what changed (issue 39, item 8)."""
     arguments = train_arguments(tmp_path, tiny_pipeline_dir, "train.learning_rate=0.1")
     other = load_config(preset="tiny", overrides=arguments[3:]).to_dict()
     other["lora"]["target_modules"] = list(SD3.lora_targets)  # a trainer records them
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(other))
-    assert main(train_arguments(tmp_path, tiny_pipeline_dir)) == 2
-    error = _one_line_error(capsys)
-    assert "train.learning_rate (0.1 -> 0.001)" in error and error.count(" -> ") == 1
+    assert main(train_arguments(tmp_path, tiny_pipeline_dir, "train.epochs=1")) == 0
+    note = [line for line in capsys.readouterr().err.splitlines() if "no checkpoint" in line]
+    assert len(note) == 1 and "train.learning_rate (0.1 -> 0.001)" in note[0]
+    assert "nothing was trained" in note[0] and note[0].count(" -> ") == 1
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["train"]["learning_rate"] == 0.001 and latest_checkpoint(tmp_path) is not None
+
+
+def test_a_run_with_a_checkpoint_still_holds_the_next_command_to_its_config(
+    run_copy: Path, tiny_pipeline_dir: Path, capsys, never_load_the_model
+) -> None:
+    before = (run_copy / "config.yaml").read_text()
+    assert main(train_arguments(run_copy, tiny_pipeline_dir, "lora.rank=8")) == 2
+    assert "lora.rank (4 -> 8)" in _one_line_error(capsys)
+    assert (run_copy / "config.yaml").read_text() == before
 
 
 def test_the_objective_cannot_change_when_a_run_resumes(tmp_path: Path) -> None:
@@ -99,3 +113,16 @@ def test_the_objective_cannot_change_when_a_run_resumes(tmp_path: Path) -> None:
     other = {**saved, "objective": {**saved["objective"], "name": "sdpo"}}
     with pytest.raises(ConfigError, match=r"objective\.name"):
         check_resume(saved, other, tmp_path, allow_change=True)
+
+
+def test_a_run_saved_before_the_loggers_resumes_and_may_switch_them() -> None:
+    """Older runs' config.yaml has no run.loggers or logger keys; adding or changing them on
+    a resume is where the run logs, not what it trains."""
+    current = load_config(preset="tiny", overrides=["run.loggers=[jsonl]"]).to_dict()
+    saved = load_config(preset="tiny").to_dict()
+    for key in ("loggers", "wandb_project", "wandb_mode", "mlflow_tracking_uri"):
+        saved["run"].pop(key, None)
+    assert check_resume(saved, current, Path("run"), allow_change=False) == {}
+    saved_key = {**saved, "run": {**saved["run"], "learning_rate_probe": 1}}
+    with pytest.raises(ConfigError, match=r"run\.learning_rate_probe"):  # the check still bites
+        check_resume(saved_key, current, Path("run"), allow_change=False)

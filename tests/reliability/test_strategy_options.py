@@ -70,7 +70,7 @@ def test_pcgrad_is_a_harmonizer_strategy_with_its_options_and_the_runs_seed() ->
     assert pcgrad.amortizer.harmonizer.seed == 7
     mean = _amortizer("strategy.name=pcgrad", "strategy.options={reduction: mean}").harmonizer
     assert mean.reduction == "mean"
-    with pytest.raises(ConfigError, match=r"strategy\.options of 'pcgrad'"):
+    with pytest.raises(ConfigError, match=r"strategy\.options\.x: harmonizer 'pcgrad'"):
         load_config(preset="tiny", overrides=["strategy.name=pcgrad", "strategy.options={x: 1}"])
 
 

@@ -115,3 +115,10 @@ class RunConfig:
     # Per-reward gradients on every optimizer step (any strategy, cached steps too), to log
     # cos(update, g_k) for the conflict statistics; costs K extra gradients per step.
     conflict_probe: bool = False
+    # Where the records go: jsonl (metrics.jsonl, always kept: resume and plots read it),
+    # tensorboard, wandb, mlflow (the last two need their extras), or a registered logger.
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    wandb_project: str = "mogradient-diffusion"
+    wandb_mode: str = "offline"  # offline (<run>/wandb, `wandb sync` later) | online
+    mlflow_tracking_uri: str | None = None  # None = a file store in <run>/mlruns
+    mlflow_experiment: str = "mogradient-diffusion"

@@ -12,7 +12,8 @@ not depend on which other rows are compared, a metric missing from one row canno
 that row's score, and two nearly equal rows score nearly the same (about 0.2 is a small
 difference, 0.8 a large one). A value is marked † where it differs from the reference's
 by more than their 95% intervals allow (unpaired, hence conservative). Best and second
-best per column are bold and underlined, as in the MARBLE paper's Table 1.
+best per column among the rows after the reference are bold and underlined in markdown,
+as in the MARBLE paper's Table 1, and marked (1) and (2) in plain text (the terminal).
 """
 
 from __future__ import annotations
@@ -109,9 +110,12 @@ def composite_scores(table: list[dict[str, float]], metrics: Sequence[str]) -> l
     return [sum(z) / len(z) if z else math.nan for z in z_rows]
 
 
-def comparison_table(directories: Sequence[str | Path], allow_mixed_settings: bool = False) -> str:
-    """Markdown table over the eval outputs in ``directories``, in the given order (the
-    first row is the composite's reference).
+def comparison_table(
+    directories: Sequence[str | Path], allow_mixed_settings: bool = False, markdown: bool = True
+) -> str:
+    """The table over the eval outputs in ``directories``, in the given order (the first
+    row is the composite's reference, and not ranked: its composite is 0 by definition);
+    markdown, or plain text for a terminal (``markdown=False``).
 
     Rows evaluated under different settings (``protocol_differences``) are refused unless
     allowed: a composite over them would rank protocols, not models.
@@ -131,8 +135,10 @@ def comparison_table(directories: Sequence[str | Path], allow_mixed_settings: bo
     stds = [{m: _std(e) for m, e in zip(metrics, row, strict=True)} for row in entries]
     composite, used = effect_composite(table, stds, metrics)
     texts = significance_texts(table, entries, metrics)
-    lines = ranked_table(labels, table, metrics, texts, composite=composite)
-    lines += ["", composite_note(labels[0], metrics, used)]
+    lines = ranked_table(
+        labels, table, metrics, texts, composite=composite, reference=0, markdown=markdown
+    )
+    lines += ["", composite_note(labels[0], metrics, used, markdown)]
     if differences:
         lines += ["", "Warning: the rows used different settings: " + "; ".join(differences)]
     return "\n".join(lines) + "\n"
@@ -195,19 +201,22 @@ def _standard_error(entry: Mapping[str, Any] | None) -> float:
     return (float(high) - float(low)) / (2 * 1.96)
 
 
-def composite_note(reference: str, metrics: Sequence[str], used: Sequence[str]) -> str:
+def composite_note(
+    reference: str, metrics: Sequence[str], used: Sequence[str], markdown: bool = True
+) -> str:
     """What the composite is, and which metrics it leaves out and why."""
+    marks = "**best**, <u>second</u>" if markdown else "(1) best, (2) second"
+    ranked = f"{marks} among the rows after {reference}."
     if not used:
         return (
             "Composite: none (no metric that every row has comes with a per-image spread). "
-            "**best**, <u>second</u>."
+            + ranked
         )
     left_out = [m for m in metrics if m not in used]
     text = (
         f"Composite: mean over {', '.join(used)} of the difference to {reference} in units "
         "of the metric's per-image std (pooled over rows); ~0.2 is small, ~0.8 large. "
-        f"†: differs from {reference} by more than 1.96 combined standard errors. "
-        "**best**, <u>second</u>."
+        f"†: differs from {reference} by more than 1.96 combined standard errors. " + ranked
     )
     if left_out:
         text += (
@@ -224,9 +233,12 @@ def ranked_table(
     texts: Sequence[dict[str, str]] | None = None,
     header: str = "model",
     composite: Sequence[float] | None = None,
+    reference: int | None = None,
+    markdown: bool = True,
 ) -> list[str]:
-    """Markdown lines: one row per label, the metrics plus the composite, best and second
-    best per column marked. ``texts`` may replace a cell's printed number (e.g. mean ± std);
+    """Markdown lines (or aligned plain-text ones): one row per label, the metrics plus
+    the composite, best and second best per column marked, the ``reference`` row left out
+    of that ranking. ``texts`` may replace a cell's printed number (e.g. mean ± std);
     ``header`` names the label column(s); ``composite`` defaults to ``composite_scores``."""
     table = [dict(row) for row in table]
     if composite is None:
@@ -234,16 +246,37 @@ def ranked_table(
     for row, score in zip(table, composite, strict=True):
         row["composite"] = score
     columns = [*metrics, "composite"]
-    marks = {column: rank_marks([row[column] for row in table]) for column in columns}
+    ranked = [i for i in range(len(table)) if i != reference]
+    marks = {  # beside a reference, a single row is no one's best
+        column: rank_marks(
+            [table[i][column] if i in ranked else math.nan for i in range(len(table))]
+        )
+        if reference is None or len(ranked) > 1
+        else {}
+        for column in columns
+    }
+    rows = []
+    for i, (label, row) in enumerate(zip(labels, table, strict=True)):
+        text = texts[i] if texts is not None else {}
+        cells = [format_cell(row[c], marks[c].get(i), text.get(c), markdown) for c in columns]
+        rows.append([label, *cells])
+    if not markdown:
+        return plain_table([header, *columns], rows)
     lines = [
         f"| {header} | " + " | ".join(columns) + " |",
         "|---" * (header.count("|") + 1) + "|" + "---|" * len(columns),
     ]
-    for i, (label, row) in enumerate(zip(labels, table, strict=True)):
-        text = texts[i] if texts is not None else {}
-        cells = [format_cell(row[c], marks[c].get(i), text.get(c)) for c in columns]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return lines
+    return lines + ["| " + " | ".join(cells) + " |" for cells in rows]
+
+
+def plain_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Columns padded to their widest cell, a dashed rule under the header."""
+    widths = [max(len(cells[c]) for cells in [header, *rows]) for c in range(len(header))]
+    lines = [header, ["-" * width for width in widths], *rows]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(cells, widths, strict=True)).rstrip()
+        for cells in lines
+    ]
 
 
 def rank_marks(values: list[float]) -> dict[int, int]:
@@ -252,9 +285,14 @@ def rank_marks(values: list[float]) -> dict[int, int]:
     return {i: finite.index(v) + 1 for i, v in enumerate(values) if v in finite}
 
 
-def format_cell(value: float, rank: int | None, text: str | None = None) -> str:
-    """``value`` (or a given ``text`` for it) bold when ranked 1, underlined when 2."""
+def format_cell(
+    value: float, rank: int | None, text: str | None = None, markdown: bool = True
+) -> str:
+    """``value`` (or a given ``text`` for it) bold when ranked 1, underlined when 2; in
+    plain text followed by ``(1)`` or ``(2)``."""
     if math.isnan(value):
         return "–"
     text = f"{value:.3f}" if text is None else text
+    if not markdown:
+        return text if rank is None else f"{text} ({rank})"
     return {1: f"**{text}**", 2: f"<u>{text}</u>"}.get(rank, text)

@@ -4,7 +4,8 @@ Loading SD3 takes minutes on real weights, so a missing or damaged LoRA, an outp
 that is a file or a device that does not exist is reported first, as one line. A LoRA
 inside a run directory (``<run>/lora``, ``<run>/lora_ema``) brings the run's settings:
 its model, sampling steps, resolution, guidance, sequence length and dtype, unless the
-command line says otherwise.
+command line says otherwise; so does a ``--model`` that names a run directory (or the tiny
+model saved in one), for the run's base model: both evaluations then match for ``compare``.
 """
 
 from __future__ import annotations
@@ -99,16 +100,20 @@ def check_output_dir(out: str) -> Path:
     return path
 
 
-def run_defaults(lora: str | None) -> tuple[Path | None, dict[str, Any]]:
-    """``(config.yaml, settings)`` of the run ``lora`` belongs to, or ``(None, {})``.
+def run_defaults(lora: str | None, model: str | None = None) -> tuple[Path | None, dict[str, Any]]:
+    """``(config.yaml, settings)`` of the run ``lora`` belongs to, or without a LoRA of
+    the run ``model`` names (``run_of_model``), or ``(None, {})``.
 
     The settings are EvalSettings fields (``model`` among them): evaluating a LoRA with
-    the steps, resolution and sequence length it was trained with is what a user means
-    unless a flag says otherwise.
+    the steps, resolution and sequence length it was trained with, and its base model as
+    the run sampled it, is what a user means unless a flag says otherwise.
     """
-    if lora is None:
+    if lora is not None:
+        config_path = Path(lora).expanduser().parent / "config.yaml"
+    elif model is not None:
+        config_path = run_of_model(Path(model).expanduser()) / "config.yaml"
+    else:
         return None, {}
-    config_path = Path(lora).expanduser().parent / "config.yaml"
     if not config_path.is_file():
         return None, {}
     config = _read_run_config(config_path)
@@ -117,6 +122,15 @@ def run_defaults(lora: str | None) -> tuple[Path | None, dict[str, Any]]:
     }
     values["model"] = _run_model(config, config_path.parent)
     return config_path, {key: value for key, value in values.items() if value is not None}
+
+
+def run_of_model(model: Path) -> Path:
+    """The run directory ``--model`` names: the folder itself when it is a run (a
+    ``config.yaml``, no ``model_index.json``), the run around it when it is a run's
+    ``tiny_model/``; else ``model`` (which then has no run config)."""
+    if (model / "config.yaml").is_file() and not (model / "model_index.json").is_file():
+        return model
+    return model.parent if model.name == "tiny_model" else model
 
 
 def _read_run_config(path: Path) -> dict[str, Any]:

@@ -4,7 +4,8 @@ DiffusionNFT keeps three velocity fields on one frozen transformer: ``default`` 
 LoRA being trained), ``old`` (the rollout policy, a lagged copy of ``default``) and the
 reference (the base model, adapters disabled). peft's ``set_adapter`` flips
 ``requires_grad`` on the adapters it switches, so every switch goes through
-:meth:`Policy.use_adapter`, which puts ``default`` back, trainable, on the way out.
+[`Policy.use_adapter`][mogradient_diffusion.model.policy.Policy.use_adapter], which puts ``default``
+back, trainable, on the way out.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ class LoraSpec:
     """LoRA hyper-parameters; defaults are DiffusionNFT's (r=32, alpha=64, gaussian init).
 
     ``target_modules`` None stands for the model family's own list
-    (:attr:`Family.lora_targets <mogradient_diffusion.model.families.base.Family>`, what
+    ([`Family.lora_targets`][mogradient_diffusion.model.families.base.Family], what
     the reference trainers adapt on that model): one default could not fit every family,
-    since FLUX and Qwen-Image train their MLPs too. :meth:`for_family` fills it in, and
-    :meth:`Policy.load` does so with the family it loads. Names match as peft matches them:
-    a module's full name or its tail.
+    since FLUX and Qwen-Image train their MLPs too.
+    [`for_family`][mogradient_diffusion.model.policy.LoraSpec.for_family] fills it in, and
+    [`Policy.load`][mogradient_diffusion.model.policy.Policy.load] does so with the family it loads.
+    Names match as peft matches them: a module's full name or its tail.
     """
 
     rank: int = 32
@@ -78,7 +80,9 @@ class LoraSpec:
     def peft_config(self, exclude_modules: Sequence[str] = ()):
         """The equivalent ``peft.LoraConfig``, skipping the ``exclude_modules`` (full names).
 
-        The targets must be resolved (:meth:`for_family`): None would make peft guess.
+        The targets must be resolved
+        ([`for_family`][mogradient_diffusion.model.policy.LoraSpec.for_family]): None would make
+        peft guess.
         """
         from peft import LoraConfig
 
@@ -119,12 +123,12 @@ def _short_name(name: str) -> str:
 
 
 class Policy:
-    """A pipeline of one :mod:`family <mogradient_diffusion.model.families>` whose transformer
+    """A pipeline of one [`family`][mogradient_diffusion.model.families] whose transformer
     has LoRA adapters ``default`` and ``old``.
 
-    Build with :meth:`load`. ``denoiser`` is the module called for velocity forwards; it
-    is ``transformer`` itself, and may be replaced by a DDP wrapper of it (built while
-    ``default`` is active) so that backward passes synchronise gradients.
+    Build with [`load`][mogradient_diffusion.model.policy.Policy.load]. ``denoiser`` is the module
+    called for velocity forwards; it is ``transformer`` itself, and may be replaced by a DDP wrapper
+    of it (built while ``default`` is active) so that backward passes synchronise gradients.
     """
 
     def __init__(
@@ -186,9 +190,9 @@ class Policy:
         """Shard the frozen transformer over the process group (FSDP2), block by block.
 
         Both adapters stay whole on every process: ``default`` so that autograd reaches it
-        and per-reward gradients stay exact (:mod:`mogradient.engines._sharding`), ``old`` so that
-        :meth:`update_old` stays a plain in-place update. Gradients are then averaged over
-        processes by the caller, as without sharding.
+        and per-reward gradients stay exact (`mogradient.engines._sharding`), ``old`` so that
+        [`update_old`][mogradient_diffusion.model.policy.Policy.update_old] stays a plain in-place
+        update. Gradients are then averaged over processes by the caller, as without sharding.
         """
         shard_frozen(self.transformer, keep=self._adapter_parameters())
 
@@ -278,7 +282,8 @@ class Policy:
 
     @torch.no_grad()
     def load_lora_state(self, adapter: str, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` (from :meth:`lora_state` of either adapter) into ``adapter``."""
+        """Copy ``state`` (from [`lora_state`][mogradient_diffusion.model.policy.Policy.lora_state]
+        of either adapter) into ``adapter``."""
         params = self._trained(adapter)
         missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
         if missing or unexpected:

@@ -1,6 +1,6 @@
 """A tiny FLUX.1 pipeline built offline, saved in the layout the real one has.
 
-Like :mod:`~mogradient_diffusion.model.tiny` for SD3: random weights and tokenizers
+Like [`tiny`][mogradient_diffusion.model.tiny] for SD3: random weights and tokenizers
 trained on a word list, so tests run the real loading and sampling code
 (``FluxPipeline``) without a model hub. ``guidance_embeds`` picks a dev-like model
 (embedded guidance, dynamic time shift) or a schnell-like one (neither). Dimension rules

@@ -1,8 +1,8 @@
 """A tiny Qwen-Image pipeline built offline, saved in the layout the real one has.
 
-As for the tiny SD3 (:mod:`mogradient_diffusion.model.tiny`), tests exercise the real
-loading code (``QwenImagePipeline.from_pretrained``) on random weights. The tokenizer is
-byte-level BPE like Qwen2's, with merges that make each word of the pipeline's prompt
+As for the tiny SD3 ([`mogradient_diffusion.model.tiny`][mogradient_diffusion.model.tiny]), tests
+exercise the real loading code (``QwenImagePipeline.from_pretrained``) on random weights. The
+tokenizer is byte-level BPE like Qwen2's, with merges that make each word of the pipeline's prompt
 template and of a word list one token: the template's system prefix then tokenizes to
 the 34 tokens ``QwenImagePipeline`` drops, as with the real tokenizer, so the embeddings
 start at the prompt. Dimension rules: the text encoder's width is the transformer's

@@ -4,7 +4,7 @@
 of the objective's settings dataclass. Objectives live in their own modules and are
 imported on first use, so a module's dependencies load only when it is chosen; an unknown
 name fails with the choices and the closest ones (``UnknownObjectiveError``). The
-interface they implement is :class:`~mogradient_diffusion.objectives.base.Objective`.
+interface they implement is [`Objective`][mogradient_diffusion.objectives.base.Objective].
 """
 
 from __future__ import annotations

@@ -4,17 +4,17 @@ The trainer knows nothing of any objective's maths. Per epoch it asks the object
 
 1. ``rollout``: sample this rank's prompts with the sampler the objective needs (a
    deterministic ODE, the SDE with per-step log-probs, or pairs that share x_T) and
-   return a :class:`RolloutData` holding, as values, everything the losses will need
-   (NFT: final latents, sigmas, embeddings, group ids; Flow-GRPO: per-step x_t, x_next,
-   log p_old, sigmas; SDPO: pairs, per-step log-probs and x0 predictions). The trainer
-   then scores ``images`` with every reward (possibly overlapped with sampling); an
+   return a [`RolloutData`][mogradient_diffusion.objectives.base.RolloutData] holding, as values,
+   everything the losses will need (NFT: final latents, sigmas, embeddings, group ids; Flow-GRPO:
+   per-step x_t, x_next, log p_old, sigmas; SDPO: pairs, per-step log-probs and x0 predictions). The
+   trainer then scores ``images`` with every reward (possibly overlapped with sampling); an
    objective that scores intermediate states itself (SDPO) uses the ``score`` callable it
    is given.
 2. ``advantages``: turn the rewards of the whole (all-rank) batch into advantages for this
    rank's rows, one column per strategy objective: [B, K'] per sample (NFT, Flow-GRPO) or
    [B, S, K'] per sample and step (SDPO). NaN marks "this objective does not apply here".
 3. ``losses``: for the micro-batches of one optimizer step, yield ``(scale, loss)`` pieces,
-   each loss a :class:`~mogradient.combinable.CombinableLoss` (shared differentiable
+   each loss a [`CombinableLoss`][mogradient.combinable.CombinableLoss] (shared differentiable
    per-sample terms, constant per-objective coefficients, non-harmonized terms such as a
    KL penalty in ``extra``) so that ``sum scale * loss.combined(w)`` is the step's loss for
    any weights ``w`` at once. This is what makes MARBLE's cached steps exact: one backward

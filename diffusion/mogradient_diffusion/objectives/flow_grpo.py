@@ -103,7 +103,8 @@ def flow_grpo_advantages(
     """Per-reward advantages [B, K]: (r - group mean) / (batch std + std_eps), clamped.
 
     NaN rewards (not applicable) stay NaN. Also returns the per-reward statistics of
-    :func:`group_advantages` (``zero_std_group_ratio`` among them).
+    [`group_advantages`][mogradient_diffusion.advantages.group_advantages] (``zero_std_group_ratio``
+    among them).
     """
     return group_advantages(
         rewards, group_ids, std="global", clip=settings.advantage_clip, eps=settings.std_eps
@@ -135,7 +136,7 @@ def flow_grpo_loss(
     (2 sigma_t^2); beta times its mean over ``total_entries`` (default N) is ``extra``.
     ``row_copies``: the N entries are the rows of one forward, stacked that many times
     (2 under CFG): every term then reaches the network through its row's log-probability,
-    and the loss declares it (:class:`~mogradient.combinable.RowValues`).
+    and the loss declares it ([`RowValues`][mogradient.combinable.RowValues]).
     """
     if log_probs.ndim != 1 or old_log_probs.shape != log_probs.shape:
         raise ValueError(

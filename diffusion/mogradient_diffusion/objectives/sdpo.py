@@ -148,11 +148,12 @@ def sdpo_loss(
     """The K per-reward SDPO losses of N (pair, step) entries.
 
     Log-probs are [N] (the trained ones differentiable), ``steps`` [N] the schedule index
-    of each entry, ``differences`` [N, K] the pairs' :func:`advantage_differences` (NaN
-    where reward k does not apply). Reward k's loss is the mean over its valid entries
-    (over ``valid_counts[k]`` when this is one piece of an optimizer step). ``rows``:
-    where the log-probs meet the network, when both sides came from one forward (its
-    row values are both sides' log-probs, from which ``log_probs_a`` and ``_b`` are cut).
+    of each entry, ``differences`` [N, K] the pairs'
+    [`advantage_differences`][mogradient_diffusion.objectives.sdpo.advantage_differences] (NaN where
+    reward k does not apply). Reward k's loss is the mean over its valid entries (over
+    ``valid_counts[k]`` when this is one piece of an optimizer step). ``rows``: where the log-probs
+    meet the network, when both sides came from one forward (its row values are both sides'
+    log-probs, from which ``log_probs_a`` and ``_b`` are cut).
     """
     n = len(log_probs_a)
     for name, tensor in (

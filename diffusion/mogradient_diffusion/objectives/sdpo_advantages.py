@@ -91,8 +91,9 @@ class StepAdvantageTracker:
     Each update first appends the batch's returns to the buffers, then normalizes every
     return by its buffer's mean and std (population, + 1e-6), or by the whole batch's at
     that step while the buffer holds fewer than ``min_count`` values. NaN returns are
-    neither stored nor normalized. Checkpoint :meth:`state_dict`: advantages after a
-    resume depend on it.
+    neither stored nor normalized. Checkpoint
+    [`state_dict`][mogradient_diffusion.objectives.sdpo_advantages.StepAdvantageTracker.state_dict]:
+    advantages after a resume depend on it.
     """
 
     def __init__(self, buffer_size: int = 32, min_count: int = 16) -> None:
@@ -144,7 +145,9 @@ class StepAdvantageTracker:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned (the settings must match)."""
+        """Restore what
+        [`state_dict`][mogradient_diffusion.objectives.sdpo_advantages.StepAdvantageTracker.state_dict]
+        returned (the settings must match)."""
         if (state["buffer_size"], state["min_count"]) != (self.buffer_size, self.min_count):
             raise ValueError(
                 f"tracker state has buffer_size {state['buffer_size']}, min_count "

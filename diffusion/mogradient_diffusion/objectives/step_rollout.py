@@ -176,8 +176,9 @@ def rescore_step(
 
 
 def forward_copies(data: StepRollout) -> int:
-    """How many times :func:`rescore_step`'s forward stacks the rows: 2 under CFG (the
-    unconditional and conditional halves, ``guided_velocity``), else 1."""
+    """How many times [`rescore_step`][mogradient_diffusion.objectives.step_rollout.rescore_step]'s
+    forward stacks the rows: 2 under CFG (the unconditional and conditional halves,
+    ``guided_velocity``), else 1."""
     return 1 if data.negative is None else 2
 
 

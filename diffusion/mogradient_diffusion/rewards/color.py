@@ -84,7 +84,12 @@ def color_shares(image: np.ndarray) -> np.ndarray:
 
 @register_reward
 class ColorMatch(Reward):
-    """Fraction of the prompt's color words whose color covers >= ``min_share`` of pixels."""
+    """Fraction of the prompt's color words whose color covers >= ``min_share`` of pixels.
+
+    ``graded``: each color word scores ``min(share / min_share, 1)`` instead of 0 or 1, so
+    images whose colors all sit on one side of the threshold still differ (an untrained
+    model's images do: every one holds about the same share of each color).
+    """
 
     name = "color_match"
     value_range = (0.0, 1.0)
@@ -92,20 +97,26 @@ class ColorMatch(Reward):
     def __init__(
         self,
         min_share: float = 0.03,
+        graded: bool = False,
         device: str | torch.device | None = None,
         batch_size: int | None = None,
     ):
         super().__init__(device, batch_size)
         if not 0 < min_share <= 1:
             raise ValueError(f"min_share must be in (0, 1], got {min_share}")
+        if not isinstance(graded, bool):
+            raise ValueError(f"graded must be true or false, got {graded!r}")
         self.min_share = min_share
+        self.graded = graded
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
         wanted = [colors_in_prompt(p) for p in prompts]
         todo = [i for i, names in enumerate(wanted) if names]
 
         def score_one(i: int, image: np.ndarray) -> float:
-            shares = color_shares(image)
-            return float(np.mean([shares[_INDEX[name]] >= self.min_share for name in wanted[i]]))
+            shares = color_shares(image)[[_INDEX[name] for name in wanted[i]]]
+            if self.graded:
+                return float(np.minimum(shares / self.min_share, 1.0).mean())
+            return float((shares >= self.min_share).mean())
 
         return score_each_image(images, len(prompts), todo, score_one)

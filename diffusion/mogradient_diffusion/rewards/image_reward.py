@@ -7,9 +7,10 @@ first token left as ``[CLS]``) with cross-attention to every image token, feeds 
 constants below, so a typical SD image scores around 0 and a good one above 1.
 
 The BLIP half is transformers' ``BlipForImageTextRetrieval`` (the same ViT and the same
-med/BERT text encoder, so only names differ); :func:`convert_image_reward_checkpoint`
-renames the released ``ImageReward.pt`` into that layout once, on a machine that has the
-files, so training nodes load everything with ``local_files_only``.
+med/BERT text encoder, so only names differ);
+[`convert_image_reward_checkpoint`][mogradient_diffusion.rewards.image_reward.convert_image_reward_checkpoint]
+renames the released ``ImageReward.pt`` into that layout once, on a machine that has the files, so
+training nodes load everything with ``local_files_only``.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ BLIP_VIT_LAYER_NORM_EPS = 1e-6
 class ImageReward(Reward):
     """ImageReward human-preference score of (image, prompt), standardized as the reference.
 
-    ``path`` is a directory written by :func:`convert_image_reward_checkpoint` (or any
-    ``BlipForImageTextRetrieval`` saved with its processor plus ``mlp.safetensors``).
+    ``path`` is a directory written by
+    [`convert_image_reward_checkpoint`][mogradient_diffusion.rewards.image_reward.convert_image_reward_checkpoint]
+    (or any ``BlipForImageTextRetrieval`` saved with its processor plus ``mlp.safetensors``).
     ``max_length`` is the padded prompt length; 35 as the reference.
     """
 

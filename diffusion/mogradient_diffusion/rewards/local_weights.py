@@ -2,8 +2,9 @@
 
 Model hubs are often unreachable from training nodes (and always from ours), so every
 model-based reward takes a directory path and loads with ``local_files_only=True``. A
-missing or incomplete directory raises :class:`MissingWeightsError` naming the reward,
-the files it expected and where the user gets them, instead of a hub traceback.
+missing or incomplete directory raises
+[`MissingWeightsError`][mogradient_diffusion.rewards.local_weights.MissingWeightsError] naming the
+reward, the files it expected and where the user gets them, instead of a hub traceback.
 """
 
 from __future__ import annotations

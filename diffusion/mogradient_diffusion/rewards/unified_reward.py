@@ -6,7 +6,8 @@ endpoint (vLLM, SGLang) and this reward sends one chat request per image: the im
 (resized to 512x512, PNG) and a question asking for a 1-5 score after ``Final Score:``.
 The reward is that score divided by 5, the references' scale, so it lies in [0.2, 1].
 Unlike the reference, a reply without a parseable score, or a request that keeps
-failing, raises :class:`RewardError` instead of silently scoring zero.
+failing, raises [`RewardError`][mogradient_diffusion.rewards.base.RewardError] instead of silently
+scoring zero.
 
 The API key comes only from an environment variable (``api_key_env``, read per request):
 reward options are recorded in the run's ``config.yaml``, every checkpoint and ``eval``'s

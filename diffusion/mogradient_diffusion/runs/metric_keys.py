@@ -75,3 +75,39 @@ def harmonize(diagnostic: str) -> str:
 def objective_metric(name: str) -> str:
     """A diagnostic the objective reports for the step (``ratio_mean``, ...)."""
     return f"objective/{name}"
+
+
+def harmonize_of(diagnostic: str, index: int) -> str:
+    """A per-objective diagnostic of a step in metrics.jsonl (``harmonize/cos/0``)."""
+    return harmonize(f"{diagnostic}/{index}")
+
+
+STALENESS = (STEPS_SINCE_SOLVE, COS_TO_FRESH, FRESH_COS_MIN)
+
+# ------------------------- per optimizer step, as the loggers (TensorBoard, W&B, MLflow) name it
+# Flat series on the global optimizer step, per-objective values named by objective.
+STEP_PREFIX = "step/"
+STEP_COS_MIN = "step/cos_min"
+STEP_SOLVED = "step/solved"
+STEP_FALLBACK = "step/fallback"  # 1 when the step's solve fell back, else 0
+STEP_GRAD_NORM = "step/grad_norm"
+SAMPLES = "samples"  # the epoch's grid of sample images
+
+
+def step_scalar(key: str) -> str:
+    """A step-level name of metrics.jsonl as the loggers name it (``step/stale/...``)."""
+    return STEP_PREFIX + key
+
+
+def step_weight(objective: str) -> str:
+    return f"step/weight/{objective}"
+
+
+def step_cos(objective: str) -> str:
+    """cos(applied update, the objective's gradient)."""
+    return f"step/cos/{objective}"
+
+
+def step_norm(objective: str) -> str:
+    """The norm of the objective's gradient."""
+    return f"step/norm/{objective}"

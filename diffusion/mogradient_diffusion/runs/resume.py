@@ -27,6 +27,12 @@ FREE = (
     "train.gradient_engine",
     "model.shard",
     "rollout.reward_timeout",
+    # where a run logs: switched on or off at any resume (older runs saved none of these)
+    "run.loggers",
+    "run.wandb_project",
+    "run.wandb_mode",
+    "run.mlflow_tracking_uri",
+    "run.mlflow_experiment",
 )
 # Cached weights, prompt streams, RNG streams and adapter shapes (rank, targets) are saved
 # under these. The objective's name too: its saved state (an advantage tracker) belongs to it.
@@ -102,6 +108,11 @@ def write_resume_record(
     header += [f"# changed {key}: {old!r} -> {new!r}" for key, (old, new) in changes.items()]
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def describe_changes(changes: dict[str, tuple]) -> str:
+    """``key (old -> new), ...`` for every change."""
+    return _describe(changes, list(changes))
 
 
 def _describe(changes: dict[str, tuple], keys: list[str]) -> str:

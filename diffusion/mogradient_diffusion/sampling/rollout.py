@@ -5,7 +5,7 @@ The one sampler every objective uses. DiffusionNFT needs only the clean final la
 deterministic one (Euler for evaluation, multistep DPM-Solver++(2M), the ``dpm2`` sampler,
 for training rollouts: the SD3.5-M recipes set ``rollout.sampler: dpm2``).
 Flow-GRPO and SDPO sample the SDE and keep the per-step states and log-probs
-:func:`~mogradient_diffusion.sampling.solver.integrate` records. Flow matching
+[`integrate`][mogradient_diffusion.sampling.solver.integrate] records. Flow matching
 convention: x_t = (1 - t) x0 + t noise, velocity v = noise - x0, sampled from t = 1 down
 to 0 on the model family's schedule.
 """
@@ -88,7 +88,7 @@ def rollout(
     deterministic samplers give the same images for any ``batch_size``. ``shift`` overrides
     the family schedule's time shift. ``sampler``, ``noise_level`` (the SDE's eta),
     ``sde_steps``, ``recorded_steps`` and ``record_x0`` are
-    :func:`~mogradient_diffusion.sampling.solver.integrate`'s; the SDE's per-step noise
+    [`integrate`][mogradient_diffusion.sampling.solver.integrate]'s; the SDE's per-step noise
     comes from ``generator`` too. ``on_images`` is called with each chunk's rows and
     decoded images as soon as they exist, so rewards can score them while the next chunk
     samples.

@@ -1,9 +1,9 @@
 """The loop from noise to data: one ODE or SDE step per noise level, recording on request.
 
-Every sampler runs through :func:`integrate`: ``euler`` and ``dpm2`` (the deterministic
-steps of ``ode``) and ``sde``, Flow-GRPO's SDE step of ``sde`` on its ``sde_steps`` and
-Euler elsewhere (Flow-GRPO-Fast's window: the ODE steps have no density and are not
-trained). What likelihood-ratio objectives train on is recorded here: for each of the
+Every sampler runs through [`integrate`][mogradient_diffusion.sampling.solver.integrate]: ``euler``
+and ``dpm2`` (the deterministic steps of ``ode``) and ``sde``, Flow-GRPO's SDE step of ``sde`` on
+its ``sde_steps`` and Euler elsewhere (Flow-GRPO-Fast's window: the ODE steps have no density and
+are not trained). What likelihood-ratio objectives train on is recorded here: for each of the
 ``recorded_steps`` x_t, x_next and log p_old(x_next | x_t); optionally the predicted clean
 sample x0_hat = x_t - t v at every step (SDPO's dense rewards).
 """

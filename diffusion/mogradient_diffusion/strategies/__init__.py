@@ -4,7 +4,7 @@
 fields of the strategy's settings dataclass. A name registered here picks that strategy
 (its module is imported on first use); any other core harmonizer's name picks the
 generic harmonizer strategy over it (``harmonizer.py``). The interface they implement is
-:class:`~mogradient_diffusion.strategies.base.Strategy`.
+[`Strategy`][mogradient_diffusion.strategies.base.Strategy].
 """
 
 from __future__ import annotations

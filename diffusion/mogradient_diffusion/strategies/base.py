@@ -33,8 +33,10 @@ class Strategy:
 
     The base maps rewards to themselves (one objective per reward). Subclasses set
     ``settings_type`` (a frozen dataclass whose ``__post_init__`` raises ValueError
-    naming the bad field) and implement :meth:`build`; :meth:`check_config` refuses
-    settings the rest of the config cannot honour, before any model loads.
+    naming the bad field) and implement
+    [`build`][mogradient_diffusion.strategies.base.Strategy.build];
+    [`check_config`][mogradient_diffusion.strategies.base.Strategy.check_config] refuses settings
+    the rest of the config cannot honour, before any model loads.
     """
 
     settings_type: ClassVar[type]

@@ -8,6 +8,8 @@ resumable.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,29 @@ def unfit_reason(harmonizer: type[Harmonizer]) -> str | None:
     return _UNFIT.get(harmonizer)
 
 
+def _check_option_names(name: str, options: dict[str, Any]) -> None:
+    """Each option must be a parameter of the harmonizer's constructor: a misspelt one
+    (``cc`` for CAGrad's ``c``) is named, with the closest names and every accepted one."""
+    parameters = inspect.signature(HARMONIZERS[name]).parameters.values()
+    if any(item.kind is inspect.Parameter.VAR_KEYWORD for item in parameters):
+        return  # it takes any keyword: building it is the check
+    accepted = [
+        item.name
+        for item in parameters
+        if item.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    for option in options:
+        if option in accepted:
+            continue
+        close = difflib.get_close_matches(option, accepted, n=3)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        listed = ", ".join(accepted) if accepted else "none"
+        raise ConfigError(
+            f"strategy.options.{option}: harmonizer {name!r} ({HARMONIZERS[name].__name__}) "
+            f"has no option {option!r}{hint}; its options: {listed}"
+        )
+
+
 def trainable_harmonizers() -> list[str]:
     """The names of the core harmonizers a run may train with."""
     return [name for name, cls in HARMONIZERS.items() if unfit_reason(cls) is None]
@@ -60,6 +85,7 @@ class HarmonizerStrategy(Strategy):
         """Build the harmonizer once: its own checks (a quoted ``"false"`` for a bool
         option, an unknown option) then stop the run here, in one line, not after the
         model loads."""
+        _check_option_names(name, settings.options)
         try:
             make_harmonizer(name, **settings.options)
         except (TypeError, ValueError) as error:

@@ -40,9 +40,10 @@ def old_decay(schedule: str, step: int, cap: float | None = None) -> float:
 class ParameterEMA:
     """EMA of trained parameters for evaluation, with the reference's warm-up.
 
-    Each :meth:`update` (one per optimizer step) uses decay min(decay, (1 + n) / (10 + n)),
-    n = updates so far including this one, as the reference calls it with the already
-    incremented global step; so early averages follow the weights closely.
+    Each [`update`][mogradient_diffusion.training.ema.ParameterEMA.update] (one per optimizer step)
+    uses decay min(decay, (1 + n) / (10 + n)), n = updates so far including this one, as the
+    reference calls it with the already incremented global step; so early averages follow the
+    weights closely.
     """
 
     def __init__(self, parameters: Sequence[nn.Parameter], decay: float = 0.9) -> None:

@@ -28,7 +28,12 @@ from mogradient_diffusion.runs.checkpoint import (
     UnsafeCheckpointError,
     load_newest_intact,
 )
-from mogradient_diffusion.runs.resume import check_resume
+from mogradient_diffusion.runs.resume import (
+    FREE,
+    check_resume,
+    config_changes,
+    describe_changes,
+)
 from mogradient_diffusion.training.ema import ParameterEMA
 from mogradient_diffusion.training.finite import all_finite
 from mogradient_diffusion.training_config import read_run_config
@@ -129,18 +134,17 @@ def saved_run(
 ) -> tuple[Restored | None, dict[str, tuple] | None]:
     """The newest intact checkpoint and the config changes resuming it applies (None
     for a new run), checked before any model loads. A run directory whose config.yaml
-    has no checkpoint yet is checked too."""
+    has no checkpoint yet trained nothing: it starts again with the new config (its
+    differences are noted, ``warn``) and its config.yaml is rewritten."""
     try:
         restored = load_newest_intact(run_dir, check_finite_state)
     except UnsafeCheckpointError as error:  # the user's to fix (exit 2), not a failed run
         raise ConfigError(str(error)) from None
-    if restored is not None:
-        saved = restored.state["config"]
-    elif (run_dir / "config.yaml").exists():
-        saved = read_run_config(run_dir / "config.yaml")
-    else:
+    if restored is None:
+        if (run_dir / "config.yaml").exists():
+            _note_restart(run_dir, read_run_config(run_dir / "config.yaml"), config, warn)
         return None, None
-    changes = check_resume(saved, config, run_dir, allow_config_change)
+    changes = check_resume(restored.state["config"], config, run_dir, allow_config_change)
     if restored is not None:
         try:
             _check_prompts(
@@ -152,6 +156,18 @@ def saved_run(
                 f"({_describe(error)}); remove that checkpoint or use a new run.directory"
             ) from None
     return restored, changes
+
+
+def _note_restart(
+    run_dir: Path, saved: dict[str, Any], config: dict[str, Any], warn: Callable[[str], None]
+) -> None:
+    """Say which settings a run that never reached a checkpoint starts again without."""
+    changes = {key: pair for key, pair in config_changes(saved, config).items() if key not in FREE}
+    if changes:
+        warn(
+            f"{run_dir} has a config.yaml but no checkpoint (nothing was trained): starting "
+            f"it again with the new {describe_changes(changes)}"
+        )
 
 
 def _check_prompts(

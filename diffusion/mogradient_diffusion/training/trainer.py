@@ -72,6 +72,7 @@ from mogradient_diffusion.runs.checkpoint import (
     save_checkpoint,
     write_export,
 )
+from mogradient_diffusion.runs.loggers.samples import sample_grid
 from mogradient_diffusion.runs.metrics_log import RunLog
 from mogradient_diffusion.runs.resume import write_resume_record
 from mogradient_diffusion.strategies import Strategy, build_strategy
@@ -251,7 +252,15 @@ class Trainer:
                 first_config.write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
             else:
                 write_resume_record(self.run_dir, self.config.to_dict(), self.epoch, changes)
-        log = RunLog(self.run_dir, resume_from_step=self.epoch) if self.world.is_main else None
+        log = None
+        if self.world.is_main:
+            log = RunLog(
+                self.run_dir,
+                resume_from_step=self.epoch,
+                settings=self.config.run,
+                config=self.config.to_dict(),
+                resume_from_optimizer_step=self.optimizer_step,
+            )
         bar = tqdm(
             total=self.config.train.epochs,
             initial=self.epoch,
@@ -262,9 +271,10 @@ class Trainer:
             callback.on_train_start(self)
         try:
             while self.epoch < self.config.train.epochs:
+                first_step = self.optimizer_step
                 record = self.train_epoch()
                 if log is not None:
-                    log.log(self.epoch, record)
+                    log.log(self.epoch, record, first_step, self._samples)
                 bar.update(1)
                 bar.set_postfix(progress_summary(record, self.reward_names))
                 self.epoch += 1
@@ -310,6 +320,7 @@ class Trainer:
                     f"rewards were not asked to score them; {self._kept_checkpoint()}"
                 )
             times[keys.ROLLOUT_TIME] = time.perf_counter() - started
+            self._samples = sample_grid(batch.images, per_image) if self.world.is_main else None
             started = time.perf_counter()  # overlapped: only the wait after sampling counts
             if background is not None:
                 rewards, reward_seconds = background.collect()

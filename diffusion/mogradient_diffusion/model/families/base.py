@@ -1,8 +1,8 @@
 """What a model family supplies, so the rollout, objectives and trainer stay family-agnostic.
 
 Everything outside ``model/`` sees latents as unpacked [B, C, h, w] tensors, noise levels
-sigma in [0, 1] and :class:`~mogradient_diffusion.model.policy.PromptEmbeddings`. A family
-turns those into its transformer's inputs (packing, position ids, timestep units,
+sigma in [0, 1] and [`PromptEmbeddings`][mogradient_diffusion.model.embeddings.PromptEmbeddings]. A
+family turns those into its transformer's inputs (packing, position ids, timestep units,
 guidance), its text encoders' outputs into embeddings, its VAE's latents into images,
 and its scheduler's configuration into the noise levels a sampler runs through.
 """
