@@ -225,3 +225,20 @@ def test_backward_follows_the_amortizers_schedule() -> None:
         torch.testing.assert_close(_grad(model), expected, **_tolerance(torch.float64))
         torch.testing.assert_close(report.weights, first, **_tolerance(torch.float64))
     assert solved == [True, False, False, True]
+
+
+def test_a_coordinatewise_harmonizer_writes_its_own_direction() -> None:
+    """TrimmedMean's update is not a weighted sum of the gradients: the step applies the
+    direction the harmonizer computed, and refuses cached steps (there is no cache)."""
+    from mogradient.harmonizers import TrimmedMean
+
+    model = _model()
+    inputs = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    step = HarmonizedStep(list(model.parameters()), TrimmedMean(trim_number=1))
+    losses = _per_sample_loss(model, inputs, False).objective_losses()
+    step.solve(losses)
+    stack, _ = _reference(_model(), inputs, False)
+    expected = TrimmedMean(trim_number=1)(stack).direction
+    torch.testing.assert_close(_grad(model), expected, **_tolerance(torch.float64))
+    with pytest.raises(ValueError, match="keeps no weights between steps"):
+        step.combine(_per_sample_loss(model, inputs, False).objective_losses())
