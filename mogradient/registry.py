@@ -133,12 +133,16 @@ class Registry(Mapping[str, T], Generic[T]):
         return dict(self._aliases)
 
     def _unknown(self, name: str, key: str) -> str:
-        close = difflib.get_close_matches(key, [*self._entries, *self._aliases], n=3)
-        suggestion = ""
-        if close:
-            suggestion = " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
+        suggestion = did_you_mean(key, [*self._entries, *self._aliases])
         choices = ", ".join(sorted(self._entries))
         return f"unknown {self.kind} {name!r}{suggestion}; choose one of: {choices}"
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'a' or 'b'?)`` with the closest of ``choices``, or ``""``: the hint
+    every unknown-name error of the project ends with."""
+    close = difflib.get_close_matches(name, list(choices), n=3)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
 def _lazy_form_of(lazy: object, entry: object) -> bool:

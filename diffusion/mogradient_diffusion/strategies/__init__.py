@@ -9,11 +9,10 @@ generic harmonizer strategy over it (``harmonizer.py``). The interface they impl
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 from mogradient.harmonizers import HARMONIZERS
-from mogradient.registry import Registry, UnknownNameError, normalize
+from mogradient.registry import Registry, UnknownNameError, did_you_mean, normalize
 from mogradient_diffusion.config.settings import ConfigError
 from mogradient_diffusion.strategies.base import Strategy
 from mogradient_diffusion.strategies.harmonizer import (
@@ -45,8 +44,7 @@ def strategy_type(name: str) -> type[Strategy]:
             raise ConfigError(f"strategy.name={name!r} is not a training strategy: {reason}")
         return HarmonizerStrategy
     choices = sorted({*STRATEGIES, *trainable_harmonizers()})
-    close = difflib.get_close_matches(normalize(name), choices, n=3)
-    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    hint = did_you_mean(normalize(name), choices)
     raise UnknownNameError(f"unknown strategy {name!r}{hint}; choose one of: {', '.join(choices)}")
 
 

@@ -8,12 +8,12 @@ resumable.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 from mogradient.harmonizers import HARMONIZERS, Harmonizer, Krum, make_harmonizer
+from mogradient.registry import did_you_mean
 from mogradient_diffusion.config.settings import ConfigError
 from mogradient_diffusion.strategies.amortized import EVERY_STEP, AmortizedSettings, amortizer
 from mogradient_diffusion.strategies.base import Strategy
@@ -55,8 +55,7 @@ def _check_option_names(name: str, options: dict[str, Any]) -> None:
     for option in options:
         if option in accepted:
             continue
-        close = difflib.get_close_matches(option, accepted, n=3)
-        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        hint = did_you_mean(option, accepted)
         listed = ", ".join(accepted) if accepted else "none"
         raise ConfigError(
             f"strategy.options.{option}: harmonizer {name!r} ({HARMONIZERS[name].__name__}) "
