@@ -64,6 +64,10 @@ class CombinableLoss:
     coefficients: torch.Tensor
     extra: torch.Tensor | None = None
     rows: RowValues | None = None
+    # The network output the terms are computed from (DiffusionNFT: the predicted
+    # velocity), when the loss exposes it: the per-objective gradients with respect to
+    # it cost no backward pass through the network (`mogradient.engines.output_gram`).
+    outputs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.terms.ndim != 2:

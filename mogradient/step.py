@@ -13,6 +13,7 @@ build their stack themselves.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -32,6 +33,9 @@ from mogradient.engines import (
     RowGradientError,
     accumulate_gradients,
     flat_gradient,
+    gram_factor,
+    output_cosines,
+    output_gram,
     write_gradient,
 )
 from mogradient.harmonizers._base import Harmonization, Harmonizer, combine
@@ -181,55 +185,131 @@ class HarmonizedStep:
         losses: LossStream | torch.Tensor,
         count: int | None = None,
         replay: Callable[[], LossStream] | None = None,
+        *,
+        pieces: int | None = None,
     ) -> StepReport:
         """The K gradients, their rank mean, a fresh solve, ``sum_k w_k g_k`` into ``.grad``.
 
-        ``losses``: a stream of pieces with its ``count`` (K), or a tensor of K losses."""
+        ``losses``: a stream of pieces with its ``count`` (K), or a tensor of K losses.
+        ``pieces``: solve on the stream's first ``pieces`` pieces only (the K gradients of
+        those), and apply the solved weights to the whole stream, the rest by one combined
+        backward per piece: a cheaper solve that sees less of the step."""
         losses, count = _as_stream(losses, count)
+        if pieces is not None and (pieces < 1 or self.coordinatewise):
+            raise ValueError(
+                "pieces must be >= 1, and a solve on part of the step needs weights to "
+                "apply to the rest (not a coordinate-wise harmonizer)"
+            )
+        stream = iter(losses)
+        solving, solving_replay = stream, replay
+        if pieces is not None:
+            solving = itertools.islice(stream, pieces)
+            if replay is not None:
+                solving_replay = _first_pieces(replay, pieces)
         started = time.perf_counter()
-        stack = self.gradients(losses, count, replay)
+        stack = self.gradients(solving, count, solving_replay)
         backward = time.perf_counter() - started
         started = time.perf_counter()
-        self.collective.average_gradients(self.parameters)
         stack = self.collective.average(stack)
         solved = self.weigh(stack, count)
+        backward_rest = 0.0
+        if pieces is not None:  # the rest of the step, with the weights just solved
+            rest = time.perf_counter()
+            weights = self.collective.broadcast(solved.weights)
+            accumulate_gradients(stream, self.parameters, weights)
+            backward_rest = time.perf_counter() - rest
+        self.collective.average_gradients(self.parameters)
         if self.coordinatewise:
             direction = self.collective.broadcast(solved.harmonization.direction)
             write_gradient(self.parameters, direction, accumulate=True)
             weights = solved.weights
         else:
             weights, direction = self.apply(stack, solved.weights)
-        harmonization = solved.harmonization
-        diagnostics = conflict_diagnostics(
-            weights,
-            jacobian=stack,
-            direction=direction,
-            dropped=harmonization.dropped if harmonization else (),
-            fallback=solved.fallback,
-        )
-        scalars = {k: v for k, v in diagnostics.items() if not isinstance(v, list)}
         return StepReport(
             weights,
             True,
             solved.fallback,
             self.engine.name,
-            backward,
-            time.perf_counter() - started,
-            scalars,
+            backward + backward_rest,
+            time.perf_counter() - started - backward_rest,
+            _diagnostics(weights, stack, direction, solved),
         )
 
-    def combine(self, losses: LossStream | torch.Tensor, count: int | None = None) -> StepReport:
-        """Rank 0's cached (or fixed) weights and one combined backward per piece."""
+    def solve_outputs(
+        self, losses: LossStream, count: int, *, pieces: int | None = None
+    ) -> StepReport:
+        """A fresh solve on the gradients with respect to the network's output (each
+        piece's ``CombinableLoss.outputs``): no backward through the network for them.
+
+        The first ``pieces`` pieces (None: all) are forwarded and held; the Gram of their
+        output gradients (summed over ranks) is solved, and one combined backward per
+        piece applies the weights to the whole stream. Holding the pieces' graphs costs
+        their activations' memory. MGDA-UB's approximation: the weights are optimal in
+        output space; the harmonizer sees a K x K factor of that Gram, so it must read
+        only norms and angles (MGDA does)."""
+        if self.coordinatewise:
+            raise ValueError(
+                "an output-space solve gives weights: not a coordinate-wise harmonizer"
+            )
+        stream = iter(losses)
+        started = time.perf_counter()
+        held = list(stream if pieces is None else itertools.islice(stream, pieces))
+        # the ranks' mean Gram: norms and angles (all the weights read) as of the sum
+        gram = self.collective.average(output_gram(held, count))
+        solving = time.perf_counter() - started
+        solved = self.weigh(gram_factor(gram), count)
+        weights = self.collective.broadcast(solved.weights)
+        started = time.perf_counter()
+        accumulate_gradients(held, self.parameters, weights)
+        del held
+        accumulate_gradients(stream, self.parameters, weights)
+        backward = time.perf_counter() - started
+        started = time.perf_counter()
+        self.collective.average_gradients(self.parameters)
+        cosines = output_cosines(gram, weights)
+        diagnostics = {"output_cos_min": float(cosines.nan_to_num(nan=1.0).min())}
+        return StepReport(
+            weights,
+            True,
+            solved.fallback,
+            "outputs",
+            backward,
+            solving + time.perf_counter() - started,
+            diagnostics,
+        )
+
+    def combine(
+        self,
+        losses: LossStream | torch.Tensor,
+        count: int | None = None,
+        *,
+        measure_outputs: bool = False,
+    ) -> StepReport:
+        """Rank 0's cached (or fixed) weights and one combined backward per piece.
+
+        ``measure_outputs``: also the cached weights' worst cosine with a reward in output
+        space (``diagnostics["output_cos_min"]``), from the pieces' output gradients: a
+        cheap sign that the cache went stale."""
         losses, count = _as_stream(losses, count)
         cached = self.weigh(None, count)
         weights = self.collective.broadcast(cached.weights)
         started = time.perf_counter()
-        accumulate_gradients(losses, self.parameters, weights)
+        diagnostics = {}
+        if measure_outputs:
+            gram = torch.zeros(count, count, dtype=torch.float64)
+            for scale, loss in losses:
+                gram += output_gram([(scale, loss)], count)
+                accumulate_gradients([(scale, loss)], self.parameters, weights)
+            gram = self.collective.average(gram)
+            cosines = output_cosines(gram, weights)
+            diagnostics["output_cos_min"] = float(cosines.nan_to_num(nan=1.0).min())
+        else:
+            accumulate_gradients(losses, self.parameters, weights)
         backward = time.perf_counter() - started
         started = time.perf_counter()
         self.collective.average_gradients(self.parameters)
         harmonize = time.perf_counter() - started
-        return StepReport(weights, False, cached.fallback, None, backward, harmonize)
+        return StepReport(weights, False, cached.fallback, None, backward, harmonize, diagnostics)
 
     def gradients(
         self, losses: LossStream, count: int, replay: Callable[[], LossStream] | None = None
@@ -328,6 +408,26 @@ def apply_harmonized(
         parameters, jacobian, harmonization.weights, broadcast_from, accumulate
     )
     return dataclasses.replace(harmonization, weights=weights, direction=direction)
+
+
+def _first_pieces(replay: Callable[[], LossStream], pieces: int) -> Callable[[], LossStream]:
+    """A replay of the first ``pieces`` pieces only."""
+    return lambda: itertools.islice(replay(), pieces)
+
+
+def _diagnostics(
+    weights: torch.Tensor, stack: torch.Tensor, direction: torch.Tensor, solved: AmortizedStep
+) -> dict[str, Any]:
+    """The scalar conflict diagnostics of a solve's applied direction against its stack."""
+    harmonization = solved.harmonization
+    diagnostics = conflict_diagnostics(
+        weights,
+        jacobian=stack,
+        direction=direction,
+        dropped=harmonization.dropped if harmonization else (),
+        fallback=solved.fallback,
+    )
+    return {k: v for k, v in diagnostics.items() if not isinstance(v, list)}
 
 
 def _as_stream(losses: LossStream | torch.Tensor, count: int | None) -> tuple[LossStream, int]:

@@ -62,7 +62,7 @@ class Budget:
     # "few": base, the mini_sign specialist, weighted sum, MARBLE; "head_to_head": every
     # baseline and ablation and the cost runs; "objectives": base, weighted sum and MARBLE
     # under each objective.
-    rows: Literal["few", "head_to_head", "objectives"] = "few"
+    rows: Literal["few", "head_to_head", "objectives", "solve_scope"] = "few"
 
 
 FULL = Budget(
@@ -75,6 +75,12 @@ MODES = {
     # Its own run (its own --out; the same --work reuses full's NFT rows): Flow-GRPO and
     # SDPO are not part of the head-to-head's budget.
     "objectives": dataclasses.replace(FULL, rows="objectives"),
+    # How much of a step a solve must see (benchmarks/mini/solve_scope.py): the variant
+    # with 16 micro-steps per optimizer step, 20 epochs (160 optimizer steps)
+    "solve_scope": dataclasses.replace(FULL, epochs=20, rows="solve_scope"),
+    "solve_scope_quick": Budget(
+        epochs=1, seeds=1, ablation_seeds=1, eval_prompts=6, eval_images=1, rows="solve_scope"
+    ),
 }
 
 
@@ -106,6 +112,8 @@ def methods(budget: Budget) -> list[Method]:
         return [base, next(m for m in singles if m.key == "single_mini_sign"), weighted, marble]
     if budget.rows == "objectives":
         return [base, weighted, marble, *objective_methods()]
+    if budget.rows == "solve_scope":
+        return [base, *solve_scope_methods()]
     stage = max(1, budget.epochs // len(TRAIN_REWARDS))
     stages = ", ".join(f"{{rewards: [{r}], epochs: {stage}}}" for r in TRAIN_REWARDS)
     control = Method(
@@ -135,6 +143,50 @@ def methods(budget: Budget) -> list[Method]:
         for rho in (0.1, 0.3, 0.5, 0.9)
     ]  # fmt: skip
     return [base, control, *singles, weighted, *baselines, marble, every_step, released, *ablations]
+
+
+# The variant with many micro-steps per optimizer step (the SD3.5-M recipe has 192): the
+# same 8 images a step in 4 micro-batches of 2, each trained at 4 of the 8 sampler levels
+# (the recipe: 1 micro-batch of 8 at 2 levels), so 16 micro-steps a step.
+MANY_MICRO_STEPS = (
+    "train.batch_size=2",
+    "train.gradient_accumulation=4",
+    "train.timestep_fraction=0.5",
+)
+
+
+def solve_scope_methods() -> list[Method]:
+    """How much of the step a MARBLE solve sees, how often, in which space (on the
+    variant with 16 micro-steps a step); every row but the exact every-step one probes
+    the whole step's conflicts on seed 0."""
+    every = "strategy.period=1"
+    rows = [
+        ("weighted_sum", "weighted sum", ("strategy.name=weighted_sum",)),
+        ("step_every", "whole step, every step", (every,)),
+        ("step_n10", "whole step, N=10", ()),
+        ("released_n10", "one micro-step as released, N=10", ("strategy.solve_scope=micro_step",)),
+        ("micro_step_every", "one micro-step (1/16), every step",
+         (every, "strategy.solve_fraction=0.0625")),
+        ("eighth_every", "1/8 of the step, every step", (every, "strategy.solve_fraction=0.125")),
+        ("micro_batch_every", "one micro-batch (1/4), every step",
+         (every, "strategy.solve_fraction=0.25")),
+        ("outputs_every", "output space, whole step, every step",
+         (every, "strategy.solve_space=outputs")),
+        ("outputs_micro_step_every", "output space, one micro-step, every step",
+         (every, "strategy.solve_space=outputs", "strategy.solve_fraction=0.0625")),
+        ("stale_n10", "whole step when stale in output space, N=10",
+         ("strategy.solve_when_stale=true",)),
+    ]  # fmt: skip
+    control = Method(
+        "noise_control",
+        "control: pure-noise reward",
+        (f"rewards=[{{name: {NOISE}, options: {{like: mini_preference}}}}]",
+         "strategy.name=single", f"strategy.reward={NOISE}", *MANY_MICRO_STEPS),
+    )  # fmt: skip
+    return [control] + [
+        Method(key, label, (*overrides, *MANY_MICRO_STEPS), probe=key != "step_every")
+        for key, label, overrides in rows
+    ]
 
 
 def objective_methods() -> list[Method]:

@@ -10,6 +10,8 @@
   says where it meets the network row by row, for every K.
 - [`GradientEngine`][mogradient.engines.GradientEngine]: the per-row engine where it applies,
   checked once against K backward passes, else K backward passes: what a training loop uses.
+- [`output_gram`][mogradient.engines.output_gram]: the Gram of the gradients with respect to the
+  network's output (``CombinableLoss.outputs``), for no backward through the network.
 - [`mtl_backward`][mogradient.engines.mtl_backward]: a shared trunk's harmonized gradient from the
   gradients with respect to its output (one backward per objective through the heads only).
 - Across processes:
@@ -24,6 +26,7 @@
 from mogradient._finite import all_finite
 from mogradient.engines._checked import ENGINES, GradientEngine, LossStream
 from mogradient.engines._distributed import distributed_objective_gradients
+from mogradient.engines._outputs import gram_factor, output_cosines, output_gram, output_stack
 from mogradient.engines._representation import mtl_backward
 from mogradient.engines._rows import RowGradientError, RowGradients, check_close
 from mogradient.engines._sharding import default_blocks, is_shard, shard_frozen
@@ -49,9 +52,13 @@ __all__ = [
     "default_blocks",
     "distributed_objective_gradients",
     "flat_gradient",
+    "gram_factor",
     "is_shard",
     "mtl_backward",
     "objective_gradients",
+    "output_cosines",
+    "output_gram",
+    "output_stack",
     "select_parameters",
     "shard_frozen",
     "write_gradient",

@@ -197,4 +197,4 @@ def nft_loss(
         extra = config.kl_coefficient * difference.square().mean()
     terms = torch.stack((positive, negative))
     # Each branch error is one sample's, computed from its own forward row.
-    return CombinableLoss(terms, coefficients, extra, rows=RowValues(terms))
+    return CombinableLoss(terms, coefficients, extra, rows=RowValues(terms), outputs=v_theta)

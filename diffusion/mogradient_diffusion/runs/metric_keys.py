@@ -56,6 +56,7 @@ GRAD_NORM = "grad_norm"
 BACKWARD_TIME = "time/backward"
 HARMONIZE_TIME = "time/harmonize"
 PROBE_TIME = "time/probe"
+SOLVE_PIECES = "solve/pieces"  # micro-steps a solve on part of the step saw
 OPTIMIZER_TIME = "time/optimizer"
 STEP_TIMERS = (BACKWARD_TIME, HARMONIZE_TIME, PROBE_TIME, OPTIMIZER_TIME)
 COS_MIN = "harmonize/cos_min"

@@ -14,6 +14,7 @@ takes besides ``name``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -45,6 +46,13 @@ class Strategy:
     # marble with solve_scope micro_step: MARBLE as released decides per micro-step (the
     # trainer asks it); the amortizer's MGDA then serves only the conflict probe.
     micro_step: MicroStepMarble | None = None
+    # How much of a step a solve sees: the share of its micro-steps (the first ones), in
+    # parameter space or in output space (MGDA-UB); and whether cached steps measure
+    # their staleness in output space, making the next step a solve when it shows.
+    solve_fraction: float = 1.0
+    solve_space: str = "parameters"
+    solve_when_stale: bool = False
+    stale: bool = False  # set by a cached step whose weights conflict in output space
 
     def __init__(self, name: str, reward_names: Sequence[str], amortizer: Amortizer) -> None:
         self.name = name
@@ -97,18 +105,31 @@ class Strategy:
         the whole step: a micro-step strategy decides per micro-step instead)."""
         if self.micro_step is not None:
             return False
-        return not self.gradient_free and self.amortizer.needs_full_solve()
+        return not self.gradient_free and (self.stale or self.amortizer.needs_full_solve())
+
+    def solve_pieces(self, pieces: int) -> int | None:
+        """How many of a step's ``pieces`` micro-steps its solve sees (None: all)."""
+        if self.solve_fraction >= 1:
+            return None
+        return max(1, math.ceil(self.solve_fraction * pieces - 1e-9))
+
+    @property
+    def solve_sees_step(self) -> bool:
+        """Whether a solve's gradients are the whole step's, in parameter space."""
+        return self.solve_fraction >= 1 and self.solve_space == "parameters"
 
     def weights(self, jacobian: torch.Tensor | None, count: int) -> AmortizedStep:
         """Weights for this optimizer step: a full solve on ``jacobian``, else the cache."""
         if jacobian is not None:
+            self.stale = False
             return self.amortizer.full_step(jacobian)
         if self.gradient_free:
             return self.amortizer.full_step(gram=torch.eye(count, dtype=torch.float64))
         return self.amortizer.cached_step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"amortizer": self.amortizer.state_dict()}
+        return {"amortizer": self.amortizer.state_dict(), "stale": self.stale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.amortizer.load_state_dict(state["amortizer"])
+        self.stale = bool(state.get("stale", False))  # absent in checkpoints before it

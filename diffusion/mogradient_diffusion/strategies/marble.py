@@ -20,6 +20,7 @@ from mogradient_diffusion.strategies.base import Strategy
 from mogradient_diffusion.strategies.release_marble import MicroStepMarble, objective_members
 
 SCOPES = ("step", "micro_step")
+SPACES = ("parameters", "outputs")
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,33 @@ class MarbleSettings(AmortizedSettings):
     # micro_step scope: rewards solved as one objective each (the release's
     # reward_groups: the mean of their gradients; alpha / group size each when cached)
     reward_groups: list[list[str]] = field(default_factory=list)
+    # Scope step: the share of the step's micro-steps a solve sees (its first ones, in the
+    # step's random order; at least one); its weights apply to the whole step. None: 1.
+    solve_fraction: float | None = None
+    # Scope step: solve on the per-reward gradients w.r.t. the parameters (exact) or
+    # w.r.t. the model's output, the velocity (MGDA-UB: no backward through the network
+    # for them; the solved micro-steps' graphs are held until the weights are known)
+    solve_space: str | None = None
+    # Scope step: a cached step also measures its weights' worst cosine in output space
+    # (free); when it is negative (the cache went stale), the next step solves
+    solve_when_stale: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        fraction = self.solve_fraction
+        if fraction is not None and not (math.isfinite(fraction) and 0 < fraction <= 1):
+            raise ValueError(f"solve_fraction must be in (0, 1], got {fraction}")
+        if self.solve_space is not None and self.solve_space not in SPACES:
+            raise ValueError(
+                f"solve_space must be parameters (exact) or outputs (MGDA-UB), not "
+                f"{self.solve_space!r}"
+            )
+        scoped = (self.solve_fraction, self.solve_space, self.solve_when_stale)
+        if self.scope == "micro_step" and any(v is not None for v in scoped):
+            raise ValueError(
+                "solve_fraction, solve_space and solve_when_stale are options of solve_scope "
+                "step: MARBLE as released solves on its first micro-step"
+            )
         if self.scope not in SCOPES:
             raise ValueError(
                 "solve_scope must be step (ours: one solve on the whole step) or "
@@ -99,6 +124,12 @@ class Marble(Strategy):
                 "strategy.solve_scope=micro_step is MARBLE as released, on DiffusionNFT: "
                 f"use objective nft (got {objective!r}), or solve_scope step"
             )
+        partial = (settings.solve_fraction or 1.0) < 1 or settings.solve_space == "outputs"
+        if (partial or settings.solve_when_stale) and objective != "nft":
+            raise ConfigError(
+                "strategy.solve_fraction < 1, solve_space outputs and solve_when_stale read "
+                f"DiffusionNFT's micro-steps and velocity: use objective nft (got {objective!r})"
+            )
         weights = settings.unit_weights
         if weights is not None and (
             len(weights) != objectives or not all(math.isfinite(w) and w > 0 for w in weights)
@@ -122,7 +153,11 @@ class Marble(Strategy):
             alpha_lower_bound=settings.alpha_lower_bound or 0.0,
             unit_weights=settings.unit_weights,
         )
-        return cls(name, reward_names, amortizer(harmonizer, settings, MARBLE_SCHEDULE))
+        strategy = cls(name, reward_names, amortizer(harmonizer, settings, MARBLE_SCHEDULE))
+        strategy.solve_fraction = settings.solve_fraction or 1.0
+        strategy.solve_space = settings.solve_space or "parameters"
+        strategy.solve_when_stale = bool(settings.solve_when_stale)
+        return strategy
 
 
 class ReleaseMarble(Marble):

@@ -460,20 +460,22 @@ class Trainer:
         if self.strategy.micro_step is not None:
             weights, record = self._micro_step_marble(step, generator, metrics)
         elif self.strategy.needs_gradients():
-            losses = self.objective.losses(self.policy, step, generator, metrics)
-            report = self.harmonized.solve(losses, count, self._replayer(step, replay))
-            weights, record = report.weights, step_record(report)
+            weights, record = self._solve_step(step, generator, metrics, replay)
         else:
             losses = self.objective.losses(self.policy, step, generator, metrics)
-            report = self.harmonized.combine(losses, count)
+            measure = self.strategy.solve_when_stale
+            report = self.harmonized.combine(losses, count, measure_outputs=measure)
+            if measure:  # the cache went stale where its weights conflict in output space
+                self.strategy.stale = report.diagnostics["output_cos_min"] < 0
             weights, record = report.weights, step_record(report)
         record.update(
             {keys.objective_metric(key): value for key, value in metrics.summary().items()}
         )
         started = time.perf_counter()
         record[keys.PROBE_TIME] = 0.0
-        # MARBLE as released solves on one micro-step: its solve steps are probed too
-        if probe is not None and (not record[keys.SOLVED] or self.strategy.micro_step is not None):
+        # A solve that saw less than the step (one micro-step as released, part of the
+        # step, output space) is probed too: its own cosines are not the step's
+        if probe is not None and (not record[keys.SOLVED] or not self._solve_saw_step()):
             probe, _ = self._mask_silent_in_step(probe)
             record.update(self._conflict_probe(probe, self._replayer(probe, replay)))
             record[keys.PROBE_TIME] = time.perf_counter() - started
@@ -482,6 +484,31 @@ class Trainer:
         self._apply_step(record)
         record[keys.OPTIMIZER_TIME] = time.perf_counter() - started
         return record
+
+    def _solve_step(
+        self,
+        step: list[TrainPiece],
+        generator: torch.Generator,
+        metrics: StepMetrics,
+        replay: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """A fresh solve on as much of the step as the strategy's solve sees (its first
+        micro-steps, in parameter or output space), its weights applied to all of it."""
+        count = step[0].advantages.shape[-1]
+        pieces = self.strategy.solve_pieces(len(step) * step[0].data.timesteps)
+        losses = self.objective.losses(self.policy, step, generator, metrics)
+        if self.strategy.solve_space == "outputs":
+            report = self.harmonized.solve_outputs(losses, count, pieces=pieces)
+        else:
+            replayer = self._replayer(step, replay)
+            report = self.harmonized.solve(losses, count, replayer, pieces=pieces)
+        record = step_record(report)
+        if pieces is not None:
+            record[keys.SOLVE_PIECES] = pieces
+        return report.weights, record
+
+    def _solve_saw_step(self) -> bool:
+        return self.strategy.micro_step is None and self.strategy.solve_sees_step
 
     def _replayer(self, step: list[TrainPiece], state: torch.Tensor) -> Callable[[], LossStream]:
         """A fresh copy of ``step``'s loss stream (same draws from generator ``state``),
