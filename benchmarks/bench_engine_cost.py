@@ -24,6 +24,11 @@ Run: ``python benchmarks/bench_engine_cost.py [--rounds 2] [--epochs 7] [--quick
 ``--quick`` (one round of 2 epochs: the mini recipe's NFT weighted sum and every-step
 MARBLE with each engine) prints its table
 and writes nothing unless ``--out`` is given.
+
+``--solve-scope`` times the settings of the solve-scope frontier instead
+(``benchmarks/mini/solve_scope.py``: how much of the step a MARBLE solve sees, how often,
+in which space) on its variant with 16 micro-steps per optimizer step, and writes
+``solve_scope_cost``.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ MEMORY_TARGET = 1.10
 
 @dataclass(frozen=True)
 class Row:
-    recipe: str  # mini | tiny
+    recipe: str  # mini | tiny | mini_many (the solve-scope variant: 16 micro-steps a step)
     objective: str
     strategy: str
     engine: str  # auto (per-row where possible) | batched (K backward passes)
@@ -101,6 +106,19 @@ def rows_for(quick: bool) -> list[Row]:
     return rows
 
 
+def scope_overrides() -> dict[str, tuple[str, ...]]:
+    """The solve-scope frontier's settings (its rows' overrides, the variant's included)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.mini.benchmark import solve_scope_methods
+
+    return {m.key: m.overrides for m in solve_scope_methods() if m.key != "noise_control"}
+
+
+def scope_rows(quick: bool) -> list[Row]:
+    keys = ("weighted_sum", "micro_step_every") if quick else tuple(scope_overrides())
+    return [Row("mini_many", "nft", key, "auto") for key in keys]
+
+
 def command_for(row: Row, run_dir: Path, epochs: int, prompts: Path) -> list[str]:
     cli = [sys.executable, "-m", "mogradient_diffusion.cli", "train"]
     common = [
@@ -111,9 +129,9 @@ def command_for(row: Row, run_dir: Path, epochs: int, prompts: Path) -> list[str
         f"train.gradient_engine={row.engine}",
         f"run.conflict_probe={str(row.probe).lower()}",
         *OBJECTIVES[row.objective],
-        *STRATEGIES[row.strategy],
+        *(scope_overrides() if row.recipe == "mini_many" else STRATEGIES)[row.strategy],
     ]
-    if row.recipe == "mini":
+    if row.recipe in ("mini", "mini_many"):
         base = ["--config", str(MINI / "config.yaml"), f"model.path={MINI / 'base_model'}"]
         return [*cli, *base, f"prompts.directory={prompts}", *common]
     rewards = "rewards=[" + ", ".join(f"{{name: {name}}}" for name in TINY_REWARDS) + "]"
@@ -205,7 +223,9 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "row's peak RSS over the weighted sum's. `engine`: `rows` = per-row engine, "
         "`batched` = K backward passes (for a probe row: the probe's). "
         "Mini: K = 5 rewards, 8 optimizer steps of 8 images per epoch; tiny: K = "
-        f"{len(TINY_REWARDS)} ({', '.join(TINY_REWARDS)}), 4 steps of 2 images.",
+        f"{len(TINY_REWARDS)} ({', '.join(TINY_REWARDS)}), 4 steps of 2 images; mini_many: "
+        "the mini recipe's 8 images a step in 4 micro-batches of 2 at 4 of the 8 levels "
+        "(16 micro-steps a step), strategy = the solve-scope frontier's setting.",
         "",
     ]
     header = [
@@ -264,9 +284,13 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 2 epochs")
     parser.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
+    parser.add_argument(
+        "--solve-scope", action="store_true", help="time the solve-scope frontier's settings"
+    )
     args = parser.parse_args()
     rounds, epochs = (1, 2) if args.quick else (args.rounds, args.epochs)
-    rows = rows_for(args.quick)
+    rows = scope_rows(args.quick) if args.solve_scope else rows_for(args.quick)
+    name = "solve_scope_cost" if args.solve_scope else NAME
     started = time.perf_counter()
     info = machine_info()
     info["loadavg_1_5_15_start"] = list(os.getloadavg())
@@ -292,14 +316,14 @@ def main() -> int:
     info["loadavg_1_5_15_end"] = list(os.getloadavg())
     info["torch_threads"] = 1  # what the measured processes used
     payload = {
-        "benchmark": NAME,
+        "benchmark": name,
         "machine": info,
         "total_seconds": time.perf_counter() - started,
         "config": {"rounds": rounds, "epochs": epochs, "quick": args.quick},
         "targets": {f"{o}/{s}": t for (o, s), t in TARGETS.items()},
         "rows": summarize(runs, rows),
     }
-    publish(NAME, payload, render_markdown(payload), args.out, args.quick)
+    publish(name, payload, render_markdown(payload), args.out, args.quick)
     return 0
 
 

@@ -32,6 +32,7 @@ from typing import Literal
 
 from benchmarks.mini.report import rising_table, write_report
 from benchmarks.mini.runs import Method, RunResult
+from benchmarks.mini.solve_scope import write_frontier
 from miniature.pretrain import MAX_SEQUENCE_LENGTH
 from miniature.recipe import (
     BASE_MODEL,
@@ -376,6 +377,8 @@ def run_benchmark(
             )
     out.mkdir(parents=True, exist_ok=True)
     report = write_report(results, out, mode, time.perf_counter() - started, workers)
+    if budget.rows == "solve_scope":
+        write_frontier(results, out)
     if report["rising"]:
         print("\n".join(rising_table(report["rising"], list(TRAIN_REWARDS))))
     return out
@@ -405,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or args.out / "work"
     if args.report_only:
         args.out.mkdir(parents=True, exist_ok=True)
-        write_report(collect_results(args.mode, work), args.out, args.mode, math.nan, args.workers)
+        results = collect_results(args.mode, work)
+        write_report(results, args.out, args.mode, math.nan, args.workers)
+        if MODES[args.mode].rows == "solve_scope":
+            write_frontier(results, args.out)
         print(f"report rebuilt from {work}: {args.out / 'table.md'}")
         return 0
     if work.exists() and not args.resume:
