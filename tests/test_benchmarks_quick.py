@@ -170,3 +170,17 @@ def test_memory_estimate_benchmark_quick_checks_each_family_and_writes_only_out(
     for recipe in payload["recipes"].values():
         assert any(setting.startswith("FSDP2 over 8 GPUs") for setting in recipe["totals"])
     assert _results_state() == before
+
+
+@pytest.mark.slow
+def test_engine_cost_quick_times_the_solve_scope_settings(tmp_path: Path) -> None:
+    """The weighted sum and a one-micro-step solve on the 16-micro-step variant."""
+    pytest.importorskip("diffusers", reason="the diffusion extra is not installed")
+    _run_quick(BENCHMARKS / "bench_engine_cost.py", "--solve-scope", "--out", str(tmp_path))
+    payload = _load(tmp_path, "solve_scope_cost")
+    rows = {r["row"]["strategy"]: r for r in payload["rows"]}
+    assert set(rows) == {"weighted_sum", "micro_step_every"}
+    assert all(r["row"]["recipe"] == "mini_many" for r in rows.values())
+    solve = rows["micro_step_every"]
+    assert solve["solved"] == solve["steps"] > 0 and solve["engines"] == ["rows"]
+    assert solve["train_throughput"] > 0
