@@ -10,7 +10,10 @@ tables. Per setting:
   interval over the steps, and the mean worst cosine;
 - cost: optimizer steps per second of training (the probe's time taken out) and whole
   epochs per second (rollout and scoring in), each as a ratio to the weighted sum's mean,
-  mean and std over seeds;
+  mean and std over seeds; and, where ``benchmarks/results/solve_scope_cost.json`` exists
+  (``bench_engine_cost.py --solve-scope``: one process at a time, interleaved rounds, the
+  fastest), its ratios, which the plot and the recommendation use: the runs above shared
+  the machine two at a time with whatever else ran;
 - learning: each trained reward on the held-out prompts, in pooled seed stds against the
   weighted sum, the exact every-step solve and the pure-noise control.
 
@@ -39,6 +42,7 @@ EXACT = "step_every"
 CONTROL = "noise_control"
 CONFLICT_LIMIT = 0.05
 THROUGHPUT_GOAL = 0.95
+COST_FILE = Path(__file__).resolve().parents[1] / "results" / "solve_scope_cost.json"
 
 
 def wilson_interval(hits: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -128,6 +132,25 @@ def frontier_rows(results: list[RunResult]) -> list[dict[str, Any]]:
     return rows
 
 
+def with_bench_costs(rows: list[dict[str, Any]], cost_file: Path) -> None:
+    """Add the side-by-side cost bench's ratios (``bench_train``, ``bench_epoch``) to the
+    rows it timed."""
+    if not cost_file.is_file():
+        return
+    timed = {entry["row"]["strategy"]: entry for entry in json.loads(cost_file.read_text())["rows"]}
+    for row in rows:
+        entry = timed.get(row["key"])
+        if entry is not None:
+            row["bench_train"] = entry["train_throughput"]
+            row["bench_epoch"] = entry["epoch_throughput"]
+
+
+def throughput(row: dict[str, Any]) -> float:
+    """Training throughput against the weighted sum: the cost bench's where it timed the
+    row, else the runs' mean."""
+    return row.get("bench_train", row["train_throughput"][0])
+
+
 def recommended(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The cheapest row with <= 5% conflicting updates and no held-out reward below the
     exact every-step solve's by more than one pooled seed std (the exact row qualifies by
@@ -138,7 +161,7 @@ def recommended(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         if row["conflict_share"] <= CONFLICT_LIMIT
         and all(v >= -1 for v in (row["versus_exact"] or {}).values() if math.isfinite(v))
     ]
-    return max(admissible, key=lambda row: row["train_throughput"][0], default=None)
+    return max(admissible, key=throughput, default=None)
 
 
 def _std(values: list[float]) -> float:
@@ -150,23 +173,29 @@ def frontier_table(rows: list[dict[str, Any]], choice: dict[str, Any] | None) ->
         "# Solve scope: conflict against cost",
         "",
         "| setting | conflicting updates (seed 0) | mean worst cos | solve steps "
-        "| training throughput | epoch throughput |",
-        "|---|---|---|---|---|---|",
+        "| training throughput (bench) | epoch throughput (bench) | training throughput "
+        "(runs) | epoch throughput (runs) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for row in sorted(rows, key=lambda r: -r["train_throughput"][0]):
+    for row in sorted(rows, key=lambda r: -throughput(r)):
         low, high = row["conflict_interval"]
+        bench = [f"{row[k]:.2f}x" if k in row else "-" for k in ("bench_train", "bench_epoch")]
         lines.append(
             f"| {row['label']} | {100 * row['conflict_share']:.1f}% "
             f"({100 * low:.1f}-{100 * high:.1f}) of {row['steps']} | "
             f"{row['mean_min_cos']:+.3f} | {100 * row['solve_share']:.0f}% | "
+            f"{bench[0]} | {bench[1]} | "
             f"{_ratio(row['train_throughput'])} | {_ratio(row['epoch_throughput'])} |"
         )
     lines += [
         "",
         "Conflicting: the update's worst cosine with a reward's whole-step gradient is "
         "negative (the conflict probe: every optimizer step of seed 0, 95% Wilson interval "
-        "over its steps). Throughput: ratio to the weighted sum's mean, mean ± std over "
-        "seeds; training excludes the probe's time, epochs include rollout and scoring.",
+        "over its steps). Throughput: ratio to the weighted sum; bench: "
+        "`bench_engine_cost.py --solve-scope` (one process at a time, rounds interleaved, "
+        "each row's fastest; `solve_scope_cost.md`); runs: these runs' own timers, mean ± "
+        "std over seeds, two runs sharing the machine at a time. Training excludes the "
+        "probe's time; epochs include rollout and scoring.",
         "",
     ]
     for title, field in (
@@ -202,29 +231,36 @@ def frontier_plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7.5, 5))
-    for row in rows:
+    figure, axes = plt.subplots(figsize=(10, 5.5))
+    markers = "osD^v<>ph*"
+    for index, row in enumerate(sorted(rows, key=lambda r: r["conflict_share"])):
         x, x_std = row["train_throughput"]
+        if "bench_train" in row:  # one measurement, no seed spread
+            x, x_std = row["bench_train"], math.nan
         y = 100 * row["conflict_share"]
         low, high = (100 * v for v in row["conflict_interval"])
         axes.errorbar(
             x, y, xerr=0 if not math.isfinite(x_std) else x_std,
-            yerr=[[y - low], [high - y]], fmt="o", capsize=3,
+            yerr=[[y - low], [high - y]], fmt=markers[index % len(markers)], capsize=3,
+            label=f"{row['label']} ({100 * row['conflict_share']:.0f}%, {x:.2f}x)",
         )  # fmt: skip
-        axes.annotate(row["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
     axes.axhline(100 * CONFLICT_LIMIT, color="grey", linestyle="--", linewidth=0.8)
     axes.axvline(THROUGHPUT_GOAL, color="grey", linestyle=":", linewidth=0.8)
-    axes.set_xlabel("training throughput, x weighted sum (mean ± std over seeds)")
+    axes.set_xlabel("training throughput, x weighted sum (side-by-side cost bench)")
     axes.set_ylabel("updates conflicting with a reward on the whole step (%)")
     axes.set_title("How much of the step must the solve see? (goal: lower right corner)")
+    axes.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     figure.tight_layout()
     figure.savefig(path, dpi=130)
     plt.close(figure)
 
 
-def write_frontier(results: list[RunResult], out: Path) -> dict[str, Any]:
+def write_frontier(
+    results: list[RunResult], out: Path, cost_file: Path = COST_FILE
+) -> dict[str, Any]:
     """frontier.json, frontier.md and frontier.png in ``out``; returns the report."""
     rows = frontier_rows([r for r in results if r.method.trains])
+    with_bench_costs(rows, cost_file)
     choice = recommended(rows)
     report = {"rows": rows, "recommended": choice["key"] if choice else None}
     (out / "frontier.json").write_text(json.dumps(report, indent=2))

@@ -74,7 +74,10 @@ def test_the_frontier_reads_conflicts_costs_and_learning_off_the_runs(tmp_path: 
             _run(tmp_path, "noise_control", seed, lows=[0.0] * 4, train=4.0, probe=0.0,
                  rewards={first: 0.40 + shift}, **common),
         ]  # fmt: skip
-    report = write_frontier(results, tmp_path)
+    cost = {"rows": [{"row": {"strategy": "cheap"}, "train_throughput": 0.97,
+                      "epoch_throughput": 0.98}]}  # fmt: skip
+    (tmp_path / "cost.json").write_text(json.dumps(cost))
+    report = write_frontier(results, tmp_path, cost_file=tmp_path / "cost.json")
     rows = {row["key"]: row for row in report["rows"]}
     assert "noise_control" not in rows
     assert rows["weighted_sum"]["conflict_share"] == 0.5
@@ -92,6 +95,9 @@ def test_the_frontier_reads_conflicts_costs_and_learning_off_the_runs(tmp_path: 
     assert report["recommended"] == "middle"
     text = (tmp_path / "frontier.md").read_text()
     assert "**middle**" in text and (tmp_path / "frontier.png").stat().st_size > 10_000
+    # the side-by-side bench's ratio where it timed the row, the runs' own elsewhere
+    assert rows["cheap"]["bench_train"] == 0.97 and "bench_train" not in rows["middle"]
+    assert "| cheap | 0.0% (0.0-49.0) of 4 | +0.200 | 100% | 0.97x | 0.98x | 0.91x" in text
 
 
 def test_no_setting_is_recommended_when_every_one_conflicts() -> None:
