@@ -25,7 +25,8 @@ Run: ``python benchmarks/bench_engine_cost.py [--rounds 2] [--epochs 7] [--quick
 MARBLE with each engine) prints its table
 and writes nothing unless ``--out`` is given.
 
-``--solve-scope`` times the settings of the solve-scope frontier instead
+``--solve-scope`` times the settings of the solve-scope frontier instead (its ``--quick``:
+one epoch each of the weighted sum and a one-micro-step solve)
 (``benchmarks/mini/solve_scope.py``: how much of the step a MARBLE solve sees, how often,
 in which space) on its variant with 16 micro-steps per optimizer step, and writes
 ``solve_scope_cost``.
@@ -289,6 +290,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     rounds, epochs = (1, 2) if args.quick else (args.rounds, args.epochs)
+    if args.quick and args.solve_scope:  # one epoch of 16 micro-steps a step is enough to smoke
+        epochs = 1
     rows = scope_rows(args.quick) if args.solve_scope else rows_for(args.quick)
     name = "solve_scope_cost" if args.solve_scope else NAME
     started = time.perf_counter()

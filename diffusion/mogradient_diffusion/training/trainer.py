@@ -495,7 +495,9 @@ class Trainer:
         """A fresh solve on as much of the step as the strategy's solve sees (its first
         micro-steps, in parameter or output space), its weights applied to all of it."""
         count = step[0].advantages.shape[-1]
-        pieces = self.strategy.solve_pieces(len(step) * step[0].data.timesteps)
+        pieces = None
+        if self.strategy.solve_fraction < 1:  # DiffusionNFT only (checked with the config)
+            pieces = self.strategy.solve_pieces(len(step) * step[0].data.timesteps)
         losses = self.objective.losses(self.policy, step, generator, metrics)
         if self.strategy.solve_space == "outputs":
             report = self.harmonized.solve_outputs(losses, count, pieces=pieces)
