@@ -242,7 +242,8 @@ class HarmonizedStep:
         piece's ``CombinableLoss.outputs``): no backward through the network for them.
 
         The first ``pieces`` pieces (None: all) are forwarded and held; the Gram of their
-        output gradients (summed over ranks) is solved, and one combined backward per
+        output gradients (the ranks' mean: the norms' ratios and the angles of their sum) is
+        solved, and one combined backward per
         piece applies the weights to the whole stream. Holding the pieces' graphs costs
         their activations' memory. MGDA-UB's approximation: the weights are optimal in
         output space; the harmonizer sees a K x K factor of that Gram, so it must read
