@@ -267,8 +267,7 @@ class HarmonizedStep:
         backward = time.perf_counter() - started
         started = time.perf_counter()
         self.collective.average_gradients(self.parameters)
-        cosines = output_cosines(gram, weights)
-        diagnostics = {"output_cos_min": float(cosines.nan_to_num(nan=1.0).min())}
+        diagnostics = _output_diagnostics(gram, weights)
         return StepReport(
             weights,
             True,
@@ -301,9 +300,7 @@ class HarmonizedStep:
             for scale, loss in losses:
                 gram += output_gram([(scale, loss)], count)
                 accumulate_gradients([(scale, loss)], self.parameters, weights)
-            gram = self.collective.average(gram)
-            cosines = output_cosines(gram, weights)
-            diagnostics["output_cos_min"] = float(cosines.nan_to_num(nan=1.0).min())
+            diagnostics = _output_diagnostics(self.collective.average(gram), weights)
         else:
             accumulate_gradients(losses, self.parameters, weights)
         backward = time.perf_counter() - started
@@ -429,6 +426,13 @@ def _diagnostics(
         fallback=solved.fallback,
     )
     return {k: v for k, v in diagnostics.items() if not isinstance(v, list)}
+
+
+def _output_diagnostics(gram: torch.Tensor, weights: torch.Tensor) -> dict[str, Any]:
+    """The applied weights' worst cosine with an objective in output space (an objective
+    with a zero output gradient cannot conflict)."""
+    cosines = output_cosines(gram, weights)
+    return {"output_cos_min": float(cosines.nan_to_num(nan=1.0).min())}
 
 
 def _as_stream(losses: LossStream | torch.Tensor, count: int | None) -> tuple[LossStream, int]:

@@ -115,8 +115,13 @@ class Strategy:
 
     @property
     def solve_sees_step(self) -> bool:
-        """Whether a solve's gradients are the whole step's, in parameter space."""
-        return self.solve_fraction >= 1 and self.solve_space == "parameters"
+        """Whether a solve's gradients are the whole step's, in parameter space (not as
+        released, whose solve covers one micro-step)."""
+        return (
+            self.micro_step is None
+            and self.solve_fraction >= 1
+            and self.solve_space == "parameters"
+        )
 
     def weights(self, jacobian: torch.Tensor | None, count: int) -> AmortizedStep:
         """Weights for this optimizer step: a full solve on ``jacobian``, else the cache."""

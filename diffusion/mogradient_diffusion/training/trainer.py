@@ -475,7 +475,7 @@ class Trainer:
         record[keys.PROBE_TIME] = 0.0
         # A solve that saw less than the step (one micro-step as released, part of the
         # step, output space) is probed too: its own cosines are not the step's
-        if probe is not None and (not record[keys.SOLVED] or not self._solve_saw_step()):
+        if probe is not None and (not record[keys.SOLVED] or not self.strategy.solve_sees_step):
             probe, _ = self._mask_silent_in_step(probe)
             record.update(self._conflict_probe(probe, self._replayer(probe, replay)))
             record[keys.PROBE_TIME] = time.perf_counter() - started
@@ -508,9 +508,6 @@ class Trainer:
         if pieces is not None:
             record[keys.SOLVE_PIECES] = pieces
         return report.weights, record
-
-    def _solve_saw_step(self) -> bool:
-        return self.strategy.micro_step is None and self.strategy.solve_sees_step
 
     def _replayer(self, step: list[TrainPiece], state: torch.Tensor) -> Callable[[], LossStream]:
         """A fresh copy of ``step``'s loss stream (same draws from generator ``state``),
