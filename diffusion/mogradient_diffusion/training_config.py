@@ -17,6 +17,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ class TrainingConfig:
         plain = _plain(dataclasses.asdict(self))
         plain["objective"] = _plain(self.objective.to_dict())
         plain["strategy"] = _plain(self.strategy.to_dict())
+        plain["rewards"] = [_plain(reward.to_dict()) for reward in self.rewards]
         return plain
 
 
@@ -479,16 +481,14 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
 
     strategy = config.strategy
     import_reward_modules(config.reward_modules)
-    names = [reward.name for reward in config.rewards]
-    if not names:
+    if not config.rewards:
         raise ConfigError("no rewards configured: add at least one entry under `rewards:`")
-    for name in names:  # old spellings too (a reward keeps the name the config gives it)
+    for reward in config.rewards:  # old spellings too (a reward keeps the name it is given)
         try:
-            REWARDS.canonical(name)
+            REWARDS.canonical(reward.name)
         except UnknownNameError as error:  # it names the closest rewards and every choice
             raise ConfigError(str(error)) from None
-    if len({REWARDS.canonical(name) for name in names}) != len(names):
-        raise ConfigError(f"duplicate rewards in `rewards:`: {names}")
+    names = _checked_labels(config.rewards, REWARDS.canonical)
     for reward in config.rewards:
         _check_reward_options(reward, REWARDS[reward.name])
         if isinstance(reward.options.get("device"), str):
@@ -500,6 +500,27 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
         objective=config.objective.name,
         objective_settings=config.objective.settings,
     )
+
+
+def _checked_labels(rewards: list[RewardConfig], canonical: Callable[[str], str]) -> list[str]:
+    """The names the run uses for its rewards (labels, else names), each once: a reward
+    listed twice needs a label on each entry but one, and two spellings of one reward
+    without labels are the same reward twice."""
+    names = [reward.run_name for reward in rewards]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError(
+            f"`rewards:` names {repeated} more than once: give each entry of the same reward "
+            "a label of its own, e.g. {name: remote, label: geneval, options: {...}}"
+        )
+    plain = [canonical(reward.name) for reward in rewards if reward.label is None]
+    twice = sorted({name for name in plain if plain.count(name) > 1})
+    if twice:
+        raise ConfigError(
+            f"`rewards:` lists {twice} twice under different spellings: {names}; "
+            "keep one, or label each entry"
+        )
+    return names
 
 
 def _check_device(key: str, device: str) -> None:

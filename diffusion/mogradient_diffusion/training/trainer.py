@@ -157,7 +157,7 @@ class Trainer:
         self.callbacks = tuple(callbacks)
         self.run_dir = Path(config.run.directory)
         self.rewards = build_rewards(config)
-        self.reward_names = [r.name for r in config.rewards]
+        self.reward_names = [r.run_name for r in config.rewards]
         self.prompt_sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
         family = _model_family(config)
         # The LoRA targets the run uses (the family's unless the config names them) are
@@ -330,6 +330,7 @@ class Trainer:
             if background is not None:
                 background.close()
         times[keys.REWARD_TIME] = time.perf_counter() - started
+        failed = self._failed_samples()
         epoch_data, stats = self._advantages(rewards, batch)
         started = time.perf_counter()
         if torch.cuda.is_available():
@@ -343,7 +344,7 @@ class Trainer:
             self.config.train.old_schedule, self.optimizer_step, self.config.train.old_cap
         )
         self.policy.update_old(decay)
-        record = self._epoch_record(stats, step_records, times, reward_seconds, decay)
+        record = self._epoch_record(stats, step_records, times, reward_seconds, decay, failed)
         for callback in self.callbacks:
             callback.on_epoch_end(self, record)
         return record
@@ -353,6 +354,20 @@ class Trainer:
     ) -> torch.Tensor:
         """Every reward on some images: the scorer objectives get for intermediate states."""
         return self.rewards(images, prompts, metadata)[0]
+
+    def _failed_samples(self) -> dict[str, int]:
+        """Per reward that degrades instead of raising (an optional remote one): the
+        samples it scored NaN this epoch because scoring failed, summed over the ranks."""
+        counts = {
+            reward.name: count
+            for reward in self.rewards.rewards
+            if (count := reward.take_failed_samples()) is not None
+        }
+        if not counts:
+            return {}
+        local = torch.tensor([list(counts.values())], dtype=torch.float64)
+        total = self.world.all_gather_rows(local.to(self.world.device)).sum(dim=0).cpu()
+        return {name: int(value) for name, value in zip(counts, total.tolist(), strict=True)}
 
     # ---------------------------------------------------------- advantages
     def _advantages(
@@ -705,6 +720,7 @@ class Trainer:
         times: dict[str, float],
         reward_seconds: dict[str, float],
         decay: float,
+        failed: dict[str, int],
     ) -> dict[str, Any]:
         all_rewards = stats.pop("all_rewards")
         silent = stats.pop("silent")
@@ -718,9 +734,17 @@ class Trainer:
             step_records,
             times,
             decay,
+            failed,
         )
         if self.world.size > 1:
             record[keys.PARAMETER_DIVERGENCE] = self.world.divergence(self.parameters)
+        for name, count in failed.items():
+            if count:
+                self._warn(
+                    f"epoch {self.epoch}: reward {name!r} could not score {count} of "
+                    f"{len(all_rewards)} samples (required: false): they count as not "
+                    "applicable (NaN), so the other rewards alone decided their advantages"
+                )
         for name in record[keys.REWARDS_WITHOUT_SIGNAL]:
             self._warn(
                 f"epoch {self.epoch}: reward {name!r} was NaN (not applicable) for every "
@@ -837,11 +861,13 @@ def build_rewards(config: TrainingConfig) -> RewardSet:
             f"rollout.reward_timeout must be > 0 seconds (or null: no limit), got {timeout}"
         )
     rewards = []
-    for reward in config.rewards:
+    for entry in config.rewards:
         try:
-            rewards.append(make_reward(reward.name, **reward.options))
+            reward = make_reward(entry.name, **entry.options)
         except Exception as error:
-            raise ConfigError(f"reward {reward.name!r} could not be built: {error}") from error
+            raise ConfigError(f"reward {entry.run_name!r} could not be built: {error}") from error
+        reward.name = entry.run_name
+        rewards.append(reward)
     return RewardSet(rewards, timeout=timeout)
 
 

@@ -14,8 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -25,15 +23,17 @@ import torch
 from PIL import Image
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
-uvicorn = pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from mogradient_diffusion import cli  # noqa: E402
-from mogradient_diffusion.rewards import Reward, make_reward  # noqa: E402
-from mogradient_diffusion.rewards.base import to_uint8_images  # noqa: E402
-from mogradient_diffusion.rewards.remote.images import png_base64  # noqa: E402
-from mogradient_diffusion.rewards.remote.server import create_app  # noqa: E402
+from mogradient_diffusion import cli
+from mogradient_diffusion.rewards import Reward, make_reward
+from mogradient_diffusion.rewards.base import to_uint8_images
+from mogradient_diffusion.rewards.remote.images import png_base64
+from mogradient_diffusion.rewards.remote.server import create_app
+
+from .uvicorn_app import uvicorn_serving
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [f"a photo {i}" for i in range(7)]
@@ -130,28 +130,6 @@ def test_a_reward_that_raises_is_a_500_naming_it(caplog) -> None:
         "error": "reward 'recording' failed: RuntimeError: the model fell over"
     }
     assert any(record.getMessage().endswith(", 500") for record in caplog.records)
-
-
-@contextmanager
-def uvicorn_serving(reward: Reward, max_batch: int = 4) -> Iterator[str]:
-    """The app under a real uvicorn on 127.0.0.1 (a free port) in a thread, stopped after."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(create_app(reward, max_batch), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]})
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        listener.close()
-    assert not thread.is_alive()
 
 
 def test_a_served_reward_scores_as_in_process_under_concurrent_callers() -> None:

@@ -6,24 +6,27 @@ reward-server), ``verl_omni`` (VeRL-Omni's HTTP scorers) or ``openai_judge`` (a 
 an OpenAI-compatible API).
 
 Concurrency: one ``httpx.Client`` per reward (its connection pool is shared between threads,
-as httpx documents) and a ``ThreadPoolExecutor`` of ``concurrency`` threads per reward, kept
-for its lifetime. ``score`` is synchronous and called from the reward set's thread, the
-background scorer's, or several at once; threads need no event loop of their own (an async
-client would need one per call, and cannot run inside a caller's running loop), the GIL is
-released while they wait on sockets and while PIL encodes, and one pool shared by every
-caller bounds the requests in flight to ``concurrency`` however many batches are scored at
-once.
+as httpx documents) and a pool of ``concurrency`` daemon threads per reward (``DaemonPool``),
+kept for its lifetime. ``score`` is synchronous and called from the reward set's thread, the
+background scorer's, or several at once (the reward is ``concurrent``: a reward set scores it
+beside the other rewards, and on several batches at once); threads need no event loop of
+their own (an async client would need one per call, and cannot run inside a caller's running
+loop), the GIL is released while they wait on sockets and while PIL encodes, and one pool
+shared by every caller bounds the requests in flight to ``concurrency`` however many batches
+are scored at once. The threads are daemons: a request stuck on a dead server never holds
+the process's exit (Ctrl-C), as a ``ThreadPoolExecutor``'s threads would.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import httpx
@@ -32,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..base import Metadata, Reward, RewardError, nan_scores, to_uint8_images
+from ..daemon_pool import DaemonPool
 from ..registry import register_reward
 from .flow_grpo import FlowGrpo
 from .openai_judge import OpenAiJudge
@@ -91,6 +95,7 @@ class RemoteReward(Reward):
     """
 
     name = "remote"
+    concurrent = True
 
     def __init__(
         self,
@@ -142,7 +147,7 @@ class RemoteReward(Reward):
             timeout=self.timeout,
             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
         )
-        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="remote-reward")
+        self._pool = DaemonPool(concurrency, "remote-reward")
         self._failed = 0
         self._failed_lock = threading.Lock()
 
@@ -151,15 +156,16 @@ class RemoteReward(Reward):
         """Images scored NaN because their request failed, since the last take."""
         return self._failed
 
-    def take_failed_samples(self) -> int:
-        """``failed_samples``, reset to 0: what a trainer logs once per epoch."""
+    def take_failed_samples(self) -> int | None:
+        """``failed_samples``, reset to 0: what a trainer logs once per epoch (None when
+        ``required``: a failure stops the batch instead)."""
         with self._failed_lock:
             count, self._failed = self._failed, 0
-        return count
+        return None if self.required else count
 
     def close(self) -> None:
-        """Drop the connections and the threads (a reward otherwise keeps them for good)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Drop the connections and the threads now (else they go with the reward)."""
+        self._pool.close()
         self._http.close()
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
@@ -168,10 +174,12 @@ class RemoteReward(Reward):
         starts = range(0, len(prompts), size)
         futures = [
             self._pool.submit(
-                self._request,
-                arrays[i : i + size],
-                prompts[i : i + size],
-                None if metadata is None else list(metadata[i : i + size]),
+                functools.partial(
+                    self._request,
+                    arrays[i : i + size],
+                    prompts[i : i + size],
+                    None if metadata is None else list(metadata[i : i + size]),
+                )
             )
             for i in starts
         ]
