@@ -7,7 +7,7 @@ samples (two chunks in flight, every remote reward at once), and the epoch waits
 what is left when sampling ends.
 
 Each of the miniature's five training rewards is served on 127.0.0.1 by ``serve-reward``'s
-app (our protocol, PNG: the scores are the in-process ones exactly) under uvicorn, in this
+app (our protocol: PNG of the images rounded to 8 bits, see below) under uvicorn, in this
 process, wrapped to take ``--latency`` seconds (default 0.5) per request on top of its own
 compute. Like ``serve-reward`` (and a reward model on one GPU) a server scores one request
 at a time, so requests to one server queue; the five servers answer in parallel. The

@@ -230,7 +230,7 @@ def expand_paths(config: TrainingConfig) -> None:
     for reward in config.rewards:
         paths = _path_options(reward, config.reward_modules)
         reward.options = {  # a new dict: the options may be a preset's own
-            option: expand_path(value, f"reward {reward.name!r} option {option}")
+            option: expand_path(value, f"reward {reward.run_name!r} option {option}")
             if option in paths and isinstance(value, str)
             else value
             for option, value in reward.options.items()
@@ -472,7 +472,26 @@ def _check_reward_options(reward: RewardConfig, cls: type) -> None:
     unknown = sorted(set(reward.options) - set(accepted))
     if unknown:
         raise ConfigError(
-            f"reward {reward.name!r} has no option(s) {unknown}; its options: {accepted}"
+            f"reward {reward.run_name!r} has no option(s) {unknown}; its options: {accepted}"
+        )
+
+
+def _check_reward_deadline(reward: RewardConfig, cls: type, reward_timeout: float | None) -> None:
+    """A reward with a ``deadline`` of its own (``remote``) must give up before
+    ``rollout.reward_timeout`` stops the run: then its ``required`` option decides (one line,
+    or NaN counted) rather than the time-out, which stops training whatever it says."""
+    parameter = inspect.signature(cls.__init__).parameters.get("deadline")
+    if parameter is None or reward_timeout is None:
+        return
+    deadline = reward.options.get("deadline", parameter.default)
+    given = "" if "deadline" in reward.options else " (its default)"
+    number = isinstance(deadline, (int, float)) and not isinstance(deadline, bool)
+    if number and deadline >= reward_timeout:  # a bad value: the reward's own message
+        raise ConfigError(
+            f"reward {reward.run_name!r}: its deadline, {deadline:g} s{given}, must be below "
+            f"rollout.reward_timeout ({reward_timeout:g} s), so that a server that stops "
+            "answering fails as its required option says; lower the deadline option or "
+            "raise rollout.reward_timeout"
         )
 
 
@@ -491,8 +510,9 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
     names = _checked_labels(config.rewards, REWARDS.canonical)
     for reward in config.rewards:
         _check_reward_options(reward, REWARDS[reward.name])
+        _check_reward_deadline(reward, REWARDS[reward.name], config.rollout.reward_timeout)
         if isinstance(reward.options.get("device"), str):
-            _check_device(f"reward {reward.name!r} option device", reward.options["device"])
+            _check_device(f"reward {reward.run_name!r} option device", reward.options["device"])
     strategy_type(strategy.name).check_config(
         strategy.name,
         strategy.settings,

@@ -99,7 +99,7 @@ def remote(weights: Weights) -> Reward:
     """The remote reward with its one request replaced (no server): only ``score``'s tensor
     handling and its pool of request threads run."""
     reward = make_reward("remote", url="http://127.0.0.1:9", batch_size=2)
-    reward._request = lambda images, prompts, metadata: [  # type: ignore[method-assign]
+    reward._request = lambda images, prompts, metadata, end: [  # type: ignore[method-assign]
         fixed_judge(image, prompt) for image, prompt in zip(images, prompts, strict=True)
     ]
     return reward

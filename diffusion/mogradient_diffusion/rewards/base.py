@@ -69,6 +69,11 @@ class Reward(ABC):
         the reward does not apply), reset to 0; None for a reward that raises instead."""
         return None
 
+    def close(self) -> None:
+        """Release what the reward holds beyond memory (connections, threads) once a run or
+        an evaluation is done with it; it is not called again after. Default: nothing."""
+        return None
+
     @abstractmethod
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
         """Scores of one chunk: ``images`` [b, 3, H, W] in [0, 1] -> [b] (NaN: n/a)."""

@@ -1,10 +1,12 @@
 """Score one batch with K rewards: the B x K matrix that per-reward advantages start from.
 
 Each reward scores on a thread of its own, waited for at most ``timeout`` seconds from its
-start. A Python thread cannot be stopped: a reward that hangs is abandoned on its thread (a
-daemon, so it never keeps the process alive) and the batch fails with a ``RewardTimeout``
-naming it. Rewards that wait on servers (``Reward.concurrent``) are all started first and
-score while the others run one after another, in order, as they always have.
+start on the batch: the time a remote reward's requests then wait for its ``concurrency``
+(shared with the other batch it may be scoring) counts. A Python thread cannot be
+stopped: a reward that hangs is abandoned on its thread (a daemon, so it never keeps the
+process alive) and the batch fails with a ``RewardTimeout`` naming it. Rewards that wait
+on servers (``Reward.concurrent``) are all started first and score while the others run
+one after another, in order, as they always have.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ class RewardSet:
 
     def __len__(self) -> int:
         return len(self.rewards)
+
+    def close(self) -> None:
+        """Close every reward (``Reward.close``): at the end of a run or an evaluation."""
+        for reward in self.rewards:
+            reward.close()
 
     def to(self, device: str | torch.device) -> RewardSet:
         """Move every reward not pinned to a device of its own to ``device``; returns self."""

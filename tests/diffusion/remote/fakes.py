@@ -21,7 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 from PIL import Image
 
-Answer = tuple[int, bytes]  # HTTP status, body
+# HTTP status, body, and optionally headers beside Content-Length
+Answer = tuple[int, bytes] | tuple[int, bytes, dict[str, str]]
 
 
 @dataclass
@@ -53,7 +54,7 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
                 fake.in_flight += 1
                 fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
             try:
-                status, answer = fake.answer(request)
+                status, answer, *headers = fake.answer(request)
             finally:
                 with fake.lock:
                     fake.in_flight -= 1
@@ -62,6 +63,8 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
                 return
             self.send_response(status)
             self.send_header("Content-Length", str(len(answer)))
+            for name, value in (headers[0] if headers else {}).items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(answer)
 

@@ -4,6 +4,7 @@ counted (optional), never as 0."""
 
 from __future__ import annotations
 
+import gzip
 import logging
 import math
 import os
@@ -19,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from mogradient_diffusion.config.settings import ConfigError
 from mogradient_diffusion.rewards import REWARDS, RewardSet, make_reward, register_reward
 from mogradient_diffusion.rewards.base import to_uint8_images
 from mogradient_diffusion.rewards.remote import RemoteReward, RewardServiceError
+from mogradient_diffusion.rewards.remote.flow_grpo import FlowGrpo
 from mogradient_diffusion.rewards.remote.images import jpeg_bytes
 from mogradient_diffusion.training_config import load_config
 
@@ -224,15 +227,18 @@ def test_a_bad_answer_is_one_line_naming_reward_and_server(remote, answer, cause
 
 
 def test_an_optional_reward_scores_nan_never_zero_and_counts(remote, caplog) -> None:
+    """Each failed request is logged at debug level only: a dead optional server must not
+    flood stderr (the trainer warns once per epoch with the count)."""
     answer = constant(200, pickle.dumps({"outputs": [0.5]}))  # one score for two images
-    with fakes.serving(answer) as server, caplog.at_level(logging.WARNING):
+    with fakes.serving(answer) as server, caplog.at_level(logging.DEBUG):
         reward = remote(url=server.url, protocol="flow_grpo", batch_size=2, required=False)
         scores = reward(images(), PROMPTS)
     assert scores[:4].isnan().all() and scores[4] == 0.5  # the last request had one image
     assert reward.failed_samples == 4 and reward.take_failed_samples() == 4
     assert reward.take_failed_samples() == 0
-    warnings = [r.getMessage() for r in caplog.records if r.name.endswith("remote.client")]
-    assert len(warnings) == 2 and all("scored NaN (required: false)" in w for w in warnings)
+    records = [r for r in caplog.records if r.name.endswith("remote.client")]
+    assert len(records) == 2 and all(r.levelno == logging.DEBUG for r in records)
+    assert all("scored NaN (required: false)" in r.getMessage() for r in records)
 
 
 def test_connection_refused_then_a_server_that_comes_back(remote) -> None:
@@ -285,6 +291,8 @@ def test_options_are_checked_when_the_reward_is_built() -> None:
         ({"url": "http://x", "concurrency": 0}, "concurrency must be"),
         ({"url": "http://x", "required": "yes"}, "required must be true or false"),
         ({"url": "http://x", "value_range": [1, 0]}, "value_range must be"),
+        ({"url": "http://x", "deadline": 0}, "deadline must be a positive number"),
+        ({"url": "http://x", "max_response_mib": -1}, "max_response_mib must be a positive"),
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=f"^remote: .*{message}"):
@@ -304,3 +312,138 @@ def test_a_config_lists_remote_rewards_and_a_subclass_names_a_second_one() -> No
         reward = make_reward("deqa", url="http://127.0.0.1:18086", protocol="flow_grpo")
         assert reward.name == "deqa" and reward.endpoint == "http://127.0.0.1:18086"
         reward.close()
+
+
+def test_a_corrupt_gzip_answer_fails_once_and_is_not_retried(remote) -> None:
+    """httpx's DecodingError is a RequestError but no TransportError: it escaped ``_post``
+    as a bare httpx exception."""
+    answer = lambda request: (200, b"not gzip at all", {"Content-Encoding": "gzip"})  # noqa: E731
+    with fakes.serving(answer) as server:
+        options = dict(url=server.url, protocol="flow_grpo", retries=2, backoff=0.01)
+        with pytest.raises(RewardServiceError) as failed:
+            remote(**options)(images(), PROMPTS)
+        assert len(server.received) == 1  # the same answer would come again
+        optional = remote(required=False, **options)
+        assert optional(images(), PROMPTS).isnan().all()
+        assert optional.take_failed_samples() == 5
+    message = str(failed.value)
+    assert message.startswith(f"reward 'remote': {server.url} could not score 5 image(s): ")
+    assert "DecodingError" in message and "\n" not in message
+
+
+def test_any_error_reading_an_answer_is_one_failed_request(remote, monkeypatch) -> None:
+    """An integer past a float's range (OverflowError before), or any other exception a
+    protocol raises on an untrusted answer, fails the request in one line."""
+    huge = constant(200, pickle.dumps({"outputs": [10**400] * 5}))
+    with fakes.serving(huge) as server, pytest.raises(RewardServiceError) as failed:
+        remote(url=server.url, protocol="flow_grpo", **FAST)(images(), PROMPTS)
+    assert str(failed.value).endswith("an integer of 1329 bits is too large for a float")
+
+    def broken(self, body, source):
+        raise RecursionError("Traceback ...\nmaximum recursion depth exceeded")
+
+    monkeypatch.setattr(FlowGrpo, "decode", broken)
+    with fakes.serving(fakes.deqa) as server:
+        with pytest.raises(RewardServiceError) as failed:
+            remote(url=server.url, protocol="flow_grpo", **FAST)(images(), PROMPTS)
+        optional = remote(url=server.url, protocol="flow_grpo", required=False, **FAST)
+        assert optional(images(), PROMPTS).isnan().all()
+    assert str(failed.value).endswith(
+        "could not score 5 image(s): the answer could not be read "
+        "(RecursionError: maximum recursion depth exceeded)"
+    )
+
+
+def test_an_answer_past_max_response_mib_is_refused_compressed_or_not(remote) -> None:
+    """The body is read at most ``max_response_mib`` deep, decompressed: a small gzip of
+    zeros may not expand in the trainer's memory."""
+    plain = constant(200, bytes(3 * 2**20))
+    bomb = gzip.compress(bytes(3 * 2**20))
+    assert len(bomb) < 2**20 / 10
+    zipped = lambda request: (200, bomb, {"Content-Encoding": "gzip"})  # noqa: E731
+    for answer in (plain, zipped):
+        with fakes.serving(answer) as server:
+            reward = remote(url=server.url, protocol="flow_grpo", max_response_mib=1, retries=2)
+            with pytest.raises(RewardServiceError) as failed:
+                reward(images(), PROMPTS)
+            assert len(server.received) == 1
+        assert str(failed.value).endswith(
+            "could not score 5 image(s): the answer is larger than max_response_mib (1 MiB)"
+        )
+
+
+@pytest.fixture
+def hung_server() -> Iterator[fakes.FakeServer]:
+    """A server that takes every request and never answers (until the test is over)."""
+    release = threading.Event()
+
+    def never(request: Received) -> Answer:
+        release.wait(60)
+        return -1, b""
+
+    with fakes.serving(never) as server:
+        try:
+            yield server
+        finally:
+            release.set()
+
+
+def test_a_hung_optional_server_costs_its_deadline_not_the_run(remote, hung_server) -> None:
+    """The remote reward's worst case (30 s x 4 attempts, 5 requests 2 at a time) is far
+    beyond the reward set's timeout (10 s): without its own deadline it hit the reward set's
+    RewardTimeout, which stops training even for an optional reward."""
+    options = dict(url=hung_server.url, protocol="flow_grpo", batch_size=1, concurrency=2)
+    options |= dict(timeout=30.0, retries=3, backoff=0.01, deadline=0.5)
+    optional = remote(required=False, **options)
+    started = time.monotonic()
+    values = RewardSet([optional], timeout=10)(images(), PROMPTS).values
+    assert time.monotonic() - started < 5
+    assert values.isnan().all() and optional.take_failed_samples() == 5
+
+    required = remote(**options)
+    started = time.monotonic()
+    with pytest.raises(RewardServiceError) as failed:
+        RewardSet([required], timeout=10)(images(), PROMPTS)
+    assert time.monotonic() - started < 5
+    assert str(failed.value) == (
+        f"reward 'remote': {hung_server.url} could not score 1 image(s): no scores within "
+        "the deadline of 0.5 s (abandoned)"
+    )
+
+
+def test_a_deadline_not_below_the_reward_timeout_is_refused_at_start_up() -> None:
+    def remote_entry(options: str = "") -> str:
+        return f"rewards=[{{name: remote, label: slow, options: {{url: 'http://x'{options}}}}}]"
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(preset="tiny", overrides=[remote_entry(", deadline: 1800")])
+    assert str(refused.value) == (
+        "reward 'slow': its deadline, 1800 s, must be below rollout.reward_timeout (1800 s), "
+        "so that a server that stops answering fails as its required option says; lower the "
+        "deadline option or raise rollout.reward_timeout"
+    )
+    with pytest.raises(ConfigError, match=r"its deadline, 1500 s \(its default\), must be"):
+        load_config(preset="tiny", overrides=[remote_entry(), "rollout.reward_timeout=600"])
+    for deadline, limit in [(500, 600), (1e6, "null")]:
+        overrides = [remote_entry(f", deadline: {deadline}"), f"rollout.reward_timeout={limit}"]
+        assert load_config(preset="tiny", overrides=overrides).rewards[0].label == "slow"
+
+
+@pytest.mark.timeout(180)  # a process of its own, importing torch
+def test_httpx_is_imported_by_the_first_remote_reward_only() -> None:
+    """Runs without a remote reward never load httpx (still a dependency)."""
+    script = (
+        "import sys\n"
+        "import mogradient_diffusion.cli, mogradient_diffusion.training.trainer\n"
+        "from mogradient_diffusion.rewards import make_reward\n"
+        "print('httpx' in sys.modules)\n"
+        "make_reward('remote', url='http://127.0.0.1:9').close()\n"
+        "print('httpx' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[3]
+    environment = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'diffusion'}"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]

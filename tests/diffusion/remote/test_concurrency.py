@@ -35,8 +35,19 @@ def images(count: int = 10) -> torch.Tensor:
     return torch.rand(count, 3, 16, 16, generator=torch.Generator().manual_seed(0))
 
 
-def slow_deqa(seconds: float) -> Callable[[Received], Answer]:
+def gathered(count: int, seconds: float) -> Callable[[Received], Answer]:
+    """DeQA's answer, held until ``count`` requests are in flight at once (10 s at most:
+    fewer is then what the client sent at once), then ``seconds`` per answer: the tests
+    see the concurrency the client allows, however slowly its threads start."""
+    gate = threading.Condition()
+    arrived = 0
+
     def answer(request: Received) -> Answer:
+        nonlocal arrived
+        with gate:
+            arrived += 1
+            gate.notify_all()
+            gate.wait_for(lambda: arrived >= count, timeout=10)
         time.sleep(seconds)
         return fakes.deqa(request)
 
@@ -76,9 +87,11 @@ class Hung(Reward):
         super().__init__()
         self.release, self.seconds = release, seconds
         self.calls: list[int] = []  # appended from several threads: a list, not a counter
+        self.started = threading.Semaphore(0)  # released once per call
 
     def score(self, images, prompts, metadata):
         self.calls.append(len(prompts))
+        self.started.release()
         self.release.wait(self.seconds)
         return torch.zeros(len(prompts))
 
@@ -102,40 +115,48 @@ def test_remote_rewards_score_at_once_on_two_batches_and_in_process_ones_in_orde
     2 rewards x 2 chunks in flight, never more; the reward of this process sees the chunks
     one at a time, in order; the scores are those of the whole batch scored at once."""
     in_order = InOrder()
-    with fakes.serving(slow_deqa(0.5)) as server:
+    with fakes.serving(gathered(2 * MAX_BATCHES_IN_FLIGHT, 0.05)) as server:
         first, second = remote(server.url, "first"), remote(server.url, "second")
-        rewards = RewardSet([first, in_order, second], timeout=30)
-        scoring = BackgroundScoring(rewards, PROMPTS)
-        for start in range(0, 10, 2):
-            scoring.submit(slice(start, start + 2), images()[start : start + 2])
-        values, seconds = scoring.collect()
-        whole = rewards(images(), PROMPTS).values
-        first.close()
-        second.close()
-    assert server.max_in_flight == 2 * MAX_BATCHES_IN_FLIGHT
+        try:
+            rewards = RewardSet([first, in_order, second], timeout=30)
+            scoring = BackgroundScoring(rewards, PROMPTS)
+            for start in range(0, 10, 2):
+                scoring.submit(slice(start, start + 2), images()[start : start + 2])
+            values, seconds = scoring.collect()
+            whole = rewards(images(), PROMPTS).values
+        finally:
+            first.close()
+            second.close()
+    assert server.max_in_flight == 2 * MAX_BATCHES_IN_FLIGHT  # reached: the gate waits for it
     assert torch.equal(values, whole)
     assert in_order.calls == [PROMPTS[i : i + 2] for i in range(0, 10, 2)] + [PROMPTS]
     assert not in_order.overlapped
-    assert seconds["first"] >= 5 * 0.5 and list(seconds) == ["first", "in_order", "second"]
+    assert seconds["first"] >= 5 * 0.05 and list(seconds) == ["first", "in_order", "second"]
 
 
 def test_a_reward_set_scores_remote_rewards_beside_the_others() -> None:
     """Sequential scoring (no overlap) scores both remote rewards at once too."""
-    with fakes.serving(slow_deqa(0.3)) as server:
+    with fakes.serving(gathered(2, 0.0)) as server:
         first, second = remote(server.url, "first"), remote(server.url, "second")
-        values, _ = RewardSet([first, InOrder(), second], timeout=30)(images(), PROMPTS)
-        first.close()
-        second.close()
+        try:
+            values, _ = RewardSet([first, InOrder(), second], timeout=30)(images(), PROMPTS)
+        finally:
+            first.close()
+            second.close()
     assert server.max_in_flight == 2
     assert torch.equal(values[:, 0], values[:, 2]) and not values.isnan().any()
 
 
 def test_the_timeout_bounds_each_reward_on_each_batch(release: threading.Event) -> None:
-    slow = Hung(release, seconds=0.3)  # 0.3 s a chunk: 4 chunks take longer than 0.6 s
-    scoring = BackgroundScoring(RewardSet([slow, InOrder()], timeout=0.6), PROMPTS[:8])
-    for start in range(0, 8, 2):
-        scoring.submit(slice(start, start + 2), images(8)[start : start + 2])
-    assert scoring.collect().values.shape == (8, 2) and len(slow.calls) == 4
+    """0.5 s a chunk, 2 at a time: 8 chunks take 2 s, beyond the 1.5 s timeout, which each
+    chunk meets with a second to spare (a chunk waiting for a slot has not started)."""
+    slow = Hung(release, seconds=0.5)
+    scoring = BackgroundScoring(RewardSet([slow, InOrder()], timeout=1.5), PROMPTS[:8] * 2)
+    started = time.monotonic()
+    for start in range(0, 16, 2):
+        scoring.submit(slice(start, start + 2), images(16)[start : start + 2])
+    assert scoring.collect().values.shape == (16, 2) and len(slow.calls) == 8
+    assert time.monotonic() - started > 1.5
 
     hung = Hung(release)
     scoring = BackgroundScoring(RewardSet([InOrder(), hung], timeout=0.5), PROMPTS[:4])
@@ -177,20 +198,39 @@ def test_ctrl_c_while_a_remote_reward_hangs_stops_at_once(release: threading.Eve
     for start in range(0, 6, 2):
         scoring.submit(slice(start, start + 2), images(6)[start : start + 2])
     main = threading.main_thread().ident
-    timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
-    started = time.monotonic()
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            scoring.collect()
-    finally:
-        timer.cancel()
-    assert time.monotonic() - started < 5
-    release.set()
-    time.sleep(0.2)
-    assert len(hung.calls) == MAX_BATCHES_IN_FLIGHT  # the third chunk never started
+
+    sent: list[float] = []
+
+    def waiting_in_collect() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None and frame.f_code is not BackgroundScoring.collect.__code__:
+            frame = frame.f_back
+        return frame is not None
+
+    def interrupt_once_both_chunks_hang() -> None:
+        """SIGINT once both chunks hang and the main thread waits for them in collect (a
+        signal sent before would interrupt the test itself)."""
+        if not all(hung.started.acquire(timeout=30) for _ in range(MAX_BATCHES_IN_FLIGHT)):
+            return
+        deadline = time.monotonic() + 30
+        while not waiting_in_collect():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        sent.append(time.monotonic())
+        signal.pthread_kill(main, signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_both_chunks_hang, daemon=True)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        scoring.collect()
+    assert time.monotonic() - sent[0] < 5
+    interrupter.join(5)
+    assert len(hung.calls) == MAX_BATCHES_IN_FLIGHT
+    assert scoring._chunks[2][0].cancelled()  # the third chunk: dropped, never to start
 
 
+@pytest.mark.timeout(180)  # a process of its own, importing torch
 def test_a_daemon_pool_cancels_what_waits_and_never_holds_the_exit() -> None:
     pool = DaemonPool(1, "test")
     gate = threading.Event()
@@ -225,6 +265,7 @@ def test_a_daemon_pool_cancels_what_waits_and_never_holds_the_exit() -> None:
     assert result.returncode == 0 and result.stdout == "exiting\n"
 
 
+@pytest.mark.timeout(300)  # a training process: up to 90 s to ask the server, 30 to end
 def test_ctrl_c_in_training_while_a_server_hangs_ends_the_process_at_once(
     tmp_path: Path, tiny_pipeline_dir: Path, release: threading.Event
 ) -> None:

@@ -72,6 +72,14 @@ TWO_REMOTES = (
             "config.rewards[0].label must be letters, digits",
         ),
         ("[{name: color_match, label: 3}]", "config.rewards[0].label must be str, got 3"),
+        (  # the run's name for the reward, not the registered one (two remotes: which?)
+            "[{name: remote, label: geneval, options: {url: 'http://x', nope: 1}}]",
+            "reward 'geneval' has no option(s) ['nope']; its options: ['url', ",
+        ),
+        (
+            "[{name: pick_score, label: pick, options: {device: 'bogus:0'}}]",
+            "reward 'pick' option device 'bogus:0' is not a device",
+        ),
     ],
 )
 def test_labels_are_checked_in_one_line(rewards: str, message: str) -> None:
@@ -86,6 +94,7 @@ def test_strategies_name_rewards_by_label() -> None:
         load_config(preset="tiny", overrides=overrides)
 
 
+@pytest.mark.timeout(300)  # trains a tiny run
 def test_a_run_keys_everything_by_label_and_resumes_only_with_the_same(
     tmp_path: Path, tiny_pipeline_dir: Path, capsys
 ) -> None:

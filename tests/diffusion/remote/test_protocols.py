@@ -134,3 +134,30 @@ def test_openai_judge_pattern_and_range_are_options() -> None:
         with pytest.raises(ValueError, match=message.replace("{", "\\{")):
             OpenAiJudge(model="m", **options)
     assert math.isclose(OpenAiJudge(model="m").value_range[1], 1.0)
+
+
+HUGE = 10**400  # past a float's range: float() raises OverflowError
+
+
+@pytest.mark.parametrize(
+    ("scores", "refused"),
+    [
+        ([0.5, True], "True is not a number"),
+        (np.array([True, False]), "True is not a number"),
+        ([np.bool_(False)], "np.False_ is not a number"),
+        ([0.5, HUGE], "an integer of 1329 bits is too large for a float"),
+    ],
+)
+def test_bools_and_integers_past_a_float_are_refused_by_every_protocol(scores, refused) -> None:
+    """Pickled ``True`` used to become the score 1.0 (our JSON refused it); a 400-digit
+    integer raised OverflowError, not a bad answer."""
+    for protocol, body in [
+        (FlowGrpo(), pickle.dumps({"outputs": scores})),
+        (VerlOmni(), pickle.dumps({"scores": scores})),
+    ]:
+        with pytest.raises(BadResponse, match=refused):
+            protocol.decode(body, SOURCE)
+    if isinstance(scores, list) and not isinstance(scores[-1], np.bool_):
+        answer = json.dumps({"version": 1, "scores": scores}).encode()
+        with pytest.raises(BadResponse, match=f"a score: {refused}"):
+            Ours().decode(answer, SOURCE)

@@ -4,8 +4,10 @@ VLM judge on the OpenAI API) trains exactly as with the same rewards in process;
 killed mid-run is one line (required) or NaN-marked samples with a logged count (optional),
 never a 0.
 
-Our protocol and the judge's send PNG, which is lossless: the served rewards see the very
-pixels they see in process. Flow-GRPO's protocol sends JPEG (PIL's default quality, as its
+Our protocol and the judge's send PNG of the images rounded to 8 bits, which is lossless
+from there: these rewards read 8-bit pixels in process too (JPEG size, color rules), so the
+served ones see the very pixels they see in process (a reward reading float pixels would
+differ by the rounding). Flow-GRPO's protocol sends JPEG (PIL's default quality, as its
 client does), which is lossy by design, so its reward's twin in process scores the same
 JPEG round trip of each image: the comparison stays exact, and so does the training that
 follows from the scores (a JPEG-sized difference in one score would reorder a group and
@@ -35,6 +37,7 @@ from mogradient_diffusion.cli import main
 from mogradient_diffusion.rewards import REWARDS, make_reward, register_reward
 from mogradient_diffusion.rewards.base import to_uint8_images
 from mogradient_diffusion.rewards.color import ColorMatch
+from mogradient_diffusion.rewards.remote import RemoteReward
 from mogradient_diffusion.rewards.remote.images import jpeg_bytes
 from mogradient_diffusion.runs.metrics_log import read_metrics
 from mogradient_diffusion.training.trainer import Trainer
@@ -46,7 +49,9 @@ pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 
 from .uvicorn_app import uvicorn_serving
 
-EPOCHS = 3
+EPOCHS = 2  # the second epoch trains on what the first one's scores changed
+# seconds per test: a tiny run takes about 10 s on 2 busy cores; these train up to twice
+TRAINING = pytest.mark.timeout(300)
 LABELS = ("jpeg", "color", "judge")
 COARSE = {"min_share": 0.25, "graded": True}  # the tiny preset's color_match
 FINE = {"min_share": 0.1, "graded": True}
@@ -113,6 +118,7 @@ def twin_registered() -> Iterator[None]:
         yield
 
 
+@TRAINING
 def test_served_rewards_train_exactly_as_in_process(
     tmp_path: Path, tiny_pipeline_dir: Path, twin_registered
 ) -> None:
@@ -179,6 +185,7 @@ def server_killed_after_the_first_epoch(monkeypatch) -> Iterator[str]:
         process.wait(10)
 
 
+@TRAINING
 def test_an_optional_server_killed_mid_run_gives_nan_and_a_logged_count(
     tmp_path: Path, tiny_pipeline_dir: Path, server_killed_after_the_first_epoch: str, capsys
 ) -> None:
@@ -202,6 +209,7 @@ def test_an_optional_server_killed_mid_run_gives_nan_and_a_logged_count(
     ]
 
 
+@TRAINING
 def test_a_required_server_killed_mid_run_stops_it_in_one_line(
     tmp_path: Path, tiny_pipeline_dir: Path, server_killed_after_the_first_epoch: str, capsys
 ) -> None:
@@ -223,3 +231,31 @@ def test_a_required_server_killed_mid_run_stops_it_in_one_line(
         f"(after 1 attempt(s)); the last checkpoint, {tmp_path}/checkpoints/step_00000001, "
         "is intact: the same command resumes from it"
     )
+
+
+@TRAINING
+def test_sdpo_counts_failed_intermediate_states_out_of_what_was_asked(
+    tmp_path: Path, tiny_pipeline_dir: Path, capsys, monkeypatch
+) -> None:
+    """SDPO also scores each pair's first and anchor states: their failures are counted
+    too, so the warning's total must hold them ("24 of 8 samples" before). The run closes
+    its remote reward when it ends."""
+    closed: list[str] = []
+    close = RemoteReward.close
+    monkeypatch.setattr(RemoteReward, "close", lambda self: (closed.append(self.name), close(self)))
+    options = {"url": f"http://127.0.0.1:{free_port()}", "protocol": "flow_grpo"}
+    options |= {"required": False, "retries": 0}  # nothing listens: every request fails
+    rewards = [entry("color_match", "color", COARSE), entry("remote", "quality", options)]
+    sdpo = ["objective.name=sdpo", "rollout.sampler=sde", "train.old_schedule=copy"]
+    sdpo += ["strategy.name=weighted_sum", "strategy.period=null"]  # no solve step: quicker
+    overrides = ("train.epochs=1", "rollout.overlap_rewards=true", *sdpo)
+    assert train(tmp_path, tiny_pipeline_dir, rewards, *overrides) == 0
+    (record,) = read_metrics(tmp_path)
+    assert record["reward/quality/failed"] == 24  # 8 samples, their first and anchor states
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "could not" in line]
+    assert warnings == [
+        "mogradient-diffusion: warning: epoch 0: reward 'quality' could not score 24 of 24 "
+        "images (8 samples, 16 intermediate states) (required: false): they count as not "
+        "applicable (NaN), so the other rewards alone decided their advantages"
+    ]
+    assert closed == ["quality"]

@@ -166,3 +166,84 @@ def test_other_codecs_and_bare_globals_are_refused() -> None:
         deep = [deep]
     with pytest.raises(pickle.UnpicklingError, match="nested deeper"):
         safe_loads(pickle.dumps(deep), SERVER)
+
+
+def short_text(text: str) -> bytes:
+    return pickle.SHORT_BINUNICODE + bytes([len(text)]) + text.encode()
+
+
+def global_op(module: str, name: str) -> bytes:
+    return pickle.GLOBAL + f"{module}\n{name}\n".encode()
+
+
+def build_on(target: bytes, state: bytes) -> bytes:
+    """A protocol 2 pickle: ``target`` given ``state`` by BUILD, then ``{}`` as the result
+    (what a server's answer would look like)."""
+    body = pickle.PROTO + b"\x02" + target + state + pickle.BUILD + pickle.POP
+    return body + pickle.EMPTY_DICT + pickle.STOP
+
+
+# (None, {"real": numpy.dtype}): BUILD's slot state, applied with setattr
+SLOT_STATE = (
+    pickle.NONE
+    + pickle.EMPTY_DICT
+    + short_text("real")
+    + global_op("numpy", "dtype")
+    + pickle.SETITEM
+    + pickle.TUPLE2
+)
+DICT_STATE = pickle.EMPTY_DICT + short_text("x") + pickle.NONE + pickle.SETITEM
+
+
+@pytest.mark.parametrize("state", [SLOT_STATE, DICT_STATE], ids=["slots", "dict"])
+@pytest.mark.parametrize(("module", "name"), sorted(ACCEPTED_GLOBALS))
+def test_build_on_an_accepted_global_is_refused_and_changes_nothing(
+    module: str, name: str, state: bytes
+) -> None:
+    """The reviewer's 60-byte pickle set ``real`` on the numpy scalar stand-in's class for
+    the whole process; after it, honest scalars from any server came back as stand-ins."""
+    attack = build_on(global_op(module, name), state)
+    with pytest.raises(pickle.UnpicklingError, match="BUILD on a global"):
+        safe_loads(attack, SERVER)
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):  # later honest loads are intact
+        for scalar in SCALARS:
+            loaded = safe_loads(pickle.dumps(scalar, protocol=protocol), SERVER)
+            assert type(loaded) is type(scalar) and loaded == scalar
+        loaded = safe_loads(pickle.dumps(ARRAYS[1], protocol=protocol), SERVER)
+        assert type(loaded) is np.ndarray and np.array_equal(loaded, ARRAYS[1])
+
+
+def test_build_on_a_numpy_stand_in_takes_only_numpys_own_state() -> None:
+    dtype = global_op("numpy", "dtype") + short_text("f8") + pickle.TUPLE1 + pickle.REDUCE
+    scalar = (
+        global_op("numpy.core.multiarray", "scalar")
+        + dtype
+        + pickle.SHORT_BINBYTES
+        + bytes([8])
+        + bytes(8)
+        + pickle.TUPLE2
+        + pickle.REDUCE
+    )
+    assert safe_loads(pickle.PROTO + b"\x02" + scalar + pickle.STOP, SERVER) == 0.0
+    with pytest.raises(pickle.UnpicklingError, match="gave a numpy scalar a state"):
+        safe_loads(build_on(scalar, SLOT_STATE), SERVER)
+    with pytest.raises(pickle.UnpicklingError, match="dtype state that numpy does not write"):
+        safe_loads(build_on(dtype, SLOT_STATE), SERVER)
+    with pytest.raises(pickle.UnpicklingError, match="dtype state that numpy does not write"):
+        safe_loads(build_on(dtype, DICT_STATE), SERVER)
+
+
+def test_a_forged_memo_index_is_refused_before_unpickling() -> None:
+    """``}`` then ``LONG_BINPUT 2**24``: 9 bytes that made the C unpickler allocate 256 MB
+    for its memo (``2**31``: ~32 GiB)."""
+    for index in (2**24, 2**31):
+        bomb = pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + pickle.LONG_BINPUT
+        bomb += index.to_bytes(4, "little") + pickle.STOP
+        assert len(bomb) == 9
+        with pytest.raises(pickle.UnpicklingError, match=f"memo index {index} in a pickle of"):
+            safe_loads(bomb, SERVER)
+    text = b"(dp99999999\n."  # protocol 0's PUT, a decimal index
+    with pytest.raises(pickle.UnpicklingError, match="memo index 99999999"):
+        safe_loads(text, SERVER)
+    with pytest.raises(pickle.UnpicklingError, match="not a pickle"):
+        safe_loads(b"\x80\x02\xff.", SERVER)

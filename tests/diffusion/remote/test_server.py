@@ -143,17 +143,20 @@ def test_a_served_reward_scores_as_in_process_under_concurrent_callers() -> None
         def rank(seed: int) -> None:
             results[seed] = remote(images(seed=seed), PROMPTS)
 
-        threads = [threading.Thread(target=rank, args=(seed,)) for seed in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        remote.close()
+        try:
+            threads = [threading.Thread(target=rank, args=(seed,)) for seed in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+        finally:
+            remote.close()
     assert sorted(results) == [0, 1, 2, 3]
     for seed, scores in results.items():
         assert torch.equal(scores, local(images(seed=seed), PROMPTS))
 
 
+@pytest.mark.timeout(300)  # a process of its own: up to 90 s to start (it imports torch)
 def test_serve_reward_on_the_command_line(tmp_path: Path) -> None:
     """The real command in a process of its own: options reach the reward, one log line per
     request, Ctrl-C stops it."""
@@ -179,8 +182,10 @@ def test_serve_reward_on_the_command_line(tmp_path: Path) -> None:
             except httpx.TransportError:
                 time.sleep(0.2)
         remote = make_reward("remote", url=url, batch_size=5)
-        scores = remote(images(), PROMPTS)
-        remote.close()
+        try:
+            scores = remote(images(), PROMPTS)
+        finally:
+            remote.close()
     finally:
         process.send_signal(signal.SIGINT)
         try:

@@ -15,6 +15,9 @@ loop), the GIL is released while they wait on sockets and while PIL encodes, and
 shared by every caller bounds the requests in flight to ``concurrency`` however many batches
 are scored at once. The threads are daemons: a request stuck on a dead server never holds
 the process's exit (Ctrl-C), as a ``ThreadPoolExecutor``'s threads would.
+
+httpx is imported when the first remote reward is built, so that runs without one never
+load it (it is still a dependency of the package).
 """
 
 from __future__ import annotations
@@ -26,10 +29,9 @@ import math
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
-from typing import Any
+from concurrent.futures import Future, wait
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import numpy as np
 import torch
 from torch import Tensor
@@ -40,11 +42,21 @@ from ..registry import register_reward
 from .flow_grpo import FlowGrpo
 from .openai_judge import OpenAiJudge
 from .ours import Ours
-from .protocol import BadResponse, Protocol
+from .protocol import BadResponse, Protocol, one_line
 from .safe_pickle import UnsafePickleError
 from .verl_omni import VerlOmni
 
+if TYPE_CHECKING:
+    import httpx
+
 logger = logging.getLogger(__name__)
+
+# Seconds one ``score`` call (one batch; with overlap, one chunk) may take in all, retries
+# included, by default: below rollout.reward_timeout's default (1800 s), so that the
+# reward's own policy (required: one line; optional: NaN, counted) decides first.
+DEFAULT_DEADLINE = 1500.0
+# The largest answer read (after gzip or deflate): scores are a few kilobytes.
+DEFAULT_MAX_RESPONSE_MIB = 64.0
 
 PROTOCOLS: dict[str, type[Protocol]] = {
     protocol.name: protocol for protocol in (Ours, FlowGrpo, VerlOmni, OpenAiJudge)
@@ -58,6 +70,10 @@ class RewardServiceError(RewardError):
 
 class _Failed(Exception):
     """One request that could not be scored; the message is the cause."""
+
+
+class _Retry(Exception):
+    """One attempt that failed in a way a retry may mend; the message is the cause."""
 
 
 def retryable(status: int) -> bool:
@@ -75,10 +91,13 @@ class RemoteReward(Reward):
     sending, each wait for the answer's bytes), ``retries`` (further attempts after a
     connection error, a time-out, 408, 429 or 5xx; never after another 4xx or a bad
     answer), ``backoff`` (seconds before the first retry, doubled for each next one),
-    ``batch_size`` (images per request; the protocol's default, and 1 for the one-sample
-    protocols), ``concurrency`` (requests in flight at once), ``required``, ``value_range``
-    (scores outside it are a failed request; default: the protocol's, else unbounded),
-    and the protocol's own: ``score_key``, ``only_strict`` (flow_grpo); ``model``,
+    ``deadline`` (seconds one ``score`` call may take in all: the requests still pending
+    then are abandoned and fail; keep it below ``rollout.reward_timeout``, which a config
+    checks), ``max_response_mib`` (the largest answer read, decompressed), ``batch_size``
+    (images per request; the protocol's default, and 1 for the one-sample protocols),
+    ``concurrency`` (requests in flight at once), ``required``, ``value_range`` (scores
+    outside it are a failed request; default: the protocol's, else unbounded), and the
+    protocol's own: ``score_key``, ``only_strict`` (flow_grpo); ``model``,
     ``api_key_env``, ``prompt_template``, ``score_pattern``, ``score_range``,
     ``image_size`` (openai_judge).
 
@@ -88,7 +107,8 @@ class RemoteReward(Reward):
     objective; so degrading is something to opt into. With ``required: false`` the
     images of a failed request score NaN (not applicable), never 0 (a real score that would
     move the group's baseline); they are counted (``failed_samples``,
-    ``take_failed_samples``) and each failed request logs one warning.
+    ``take_failed_samples``: the trainer warns once per epoch), and each failed request is
+    logged at debug level.
 
     A server that went away and came back is used again at the next request: nothing is
     remembered between requests but the open connections.
@@ -104,6 +124,8 @@ class RemoteReward(Reward):
         timeout: float = 120.0,
         retries: int = 2,
         backoff: float = 1.0,
+        deadline: float = DEFAULT_DEADLINE,
+        max_response_mib: float = DEFAULT_MAX_RESPONSE_MIB,
         batch_size: int | None = None,
         concurrency: int = 8,
         required: bool = True,
@@ -136,13 +158,18 @@ class RemoteReward(Reward):
             self.images_per_request = _images_per_request(self.protocol, batch_size)
             self.value_range = _checked_range(value_range, self.protocol.value_range)
             _check_numbers(timeout, retries, backoff, concurrency)
+            _check_limits(deadline, max_response_mib)
             if not isinstance(required, bool):
                 raise ValueError(f"required must be true or false, got {required!r}")
         except ValueError as error:
             raise ValueError(f"{self.name}: {error}") from None
+        import httpx  # here, not at import: see the module's docstring
+
         self.endpoint = self.protocol.endpoint(self.url)
         self.retries, self.backoff, self.required = retries, backoff, required
-        self.timeout = float(timeout)
+        self.timeout, self.deadline = float(timeout), float(deadline)
+        self.max_response_mib = float(max_response_mib)
+        self._max_response_bytes = int(self.max_response_mib * 2**20)
         self._http = httpx.Client(
             timeout=self.timeout,
             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
@@ -169,6 +196,11 @@ class RemoteReward(Reward):
         self._http.close()
 
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:
+        """The batch's scores, its requests ``concurrency`` at a time, within ``deadline``
+        seconds: a request still pending then is abandoned (one not sent never is; one on a
+        socket ends soon after, each attempt's time limit being capped at the time left)
+        and fails like any other."""
+        end = time.monotonic() + self.deadline
         arrays = to_uint8_images(images)
         size = self.images_per_request
         starts = range(0, len(prompts), size)
@@ -179,6 +211,7 @@ class RemoteReward(Reward):
                     arrays[i : i + size],
                     prompts[i : i + size],
                     None if metadata is None else list(metadata[i : i + size]),
+                    end,
                 )
             )
             for i in starts
@@ -187,17 +220,20 @@ class RemoteReward(Reward):
         try:
             for start, future in zip(starts, futures, strict=True):
                 count = min(size, len(prompts) - start)
-                values = self._values(future, count)
+                values = self._values(future, count, end)
                 if values is not None:
                     scores[start : start + count] = values
         finally:
-            for future in futures:  # a required failure ends the batch: drop what waits
+            for future in futures:  # a failure or the deadline ends the batch: drop the rest
                 future.cancel()
         return scores
 
-    def _values(self, future: Future, count: int) -> Tensor | None:
+    def _values(self, future: Future, count: int, end: float) -> Tensor | None:
         """The scores of one request; None when it failed and the reward is optional."""
+        done, _ = wait([future], timeout=max(end - time.monotonic(), 0.0))
         try:
+            if not done:
+                raise _Failed(f"no scores within the deadline of {self.deadline:g} s (abandoned)")
             values = future.result()
         except _Failed as failure:
             message = (
@@ -207,19 +243,22 @@ class RemoteReward(Reward):
                 raise RewardServiceError(message) from None
             with self._failed_lock:
                 self._failed += count
-            logger.warning("%s; scored NaN (required: false)", message)
+            logger.debug("%s; scored NaN (required: false)", message)
             return None
         return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
 
     def _request(
-        self, images: np.ndarray, prompts: list[str], metadata: Metadata | None
+        self, images: np.ndarray, prompts: list[str], metadata: Metadata | None, end: float
     ) -> Sequence[float | None]:
         """One request's scores, checked; ``_Failed`` with the cause when there are none."""
-        answer = self._post(self.protocol.encode(images, prompts, metadata))
+        answer = self._post(self.protocol.encode(images, prompts, metadata), end)
         try:
             values = self.protocol.decode(answer, self.endpoint)
         except (BadResponse, UnsafePickleError) as error:
             raise _Failed(str(error)) from None
+        except Exception as error:  # anything else an untrusted answer provokes is one too
+            cause = f"{type(error).__name__}: {one_line(str(error)) or '(no message)'}"
+            raise _Failed(f"the answer could not be read ({cause})") from None
         if len(values) != len(prompts):
             raise _Failed(f"the server answered {len(values)} scores for {len(prompts)} images")
         low, high = self.value_range
@@ -230,29 +269,63 @@ class RemoteReward(Reward):
                 raise _Failed(f"the score {value:g} is outside value_range [{low:g}, {high:g}]")
         return values
 
-    def _post(self, body: bytes) -> bytes:
-        """POST ``body``, retrying what a busy or restarting server causes."""
+    def _post(self, body: bytes, end: float) -> bytes:
+        """POST ``body``, retrying what a busy or restarting server causes, until the
+        attempts or the deadline (``end``, on ``time.monotonic``) run out."""
         attempts = self.retries + 1
+        cause = ""
         for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+            pause = self.backoff * 2 ** (attempt - 1) if attempt else 0.0
+            left = end - time.monotonic() - pause
+            if left <= 0:
+                if not attempt:
+                    raise _Failed(f"the deadline of {self.deadline:g} s passed before it was sent")
+                raise _Failed(f"{cause} (after {attempt} attempt(s); then the deadline)")
+            time.sleep(pause)
             try:
-                response = self._http.post(
-                    self.endpoint, content=body, headers=self.protocol.headers()
-                )
-            except httpx.TimeoutException as error:
-                cause = f"no answer within {self.timeout:g} s ({type(error).__name__})"
-                continue
-            except httpx.TransportError as error:  # refused, reset, closed mid-answer
-                cause = f"{type(error).__name__}: {error}"
-                continue
-            if response.is_success:
-                return response.content
-            detail = self.protocol.error_detail(response.content, self.endpoint)
-            cause = f"HTTP {response.status_code}: {detail}"
-            if not retryable(response.status_code):
-                raise _Failed(cause)
+                return self._attempt(body, min(self.timeout, left))
+            except _Retry as retry:
+                cause = str(retry)
         raise _Failed(f"{cause} (after {attempts} attempt(s))")
+
+    def _attempt(self, body: bytes, timeout: float) -> bytes:
+        """One POST: the answer's body; ``_Retry`` or ``_Failed`` with the cause."""
+        import httpx
+
+        headers = self.protocol.headers()
+        try:
+            with self._http.stream(
+                "POST", self.endpoint, content=body, headers=headers, timeout=timeout
+            ) as response:
+                content = self._read(response)
+        except httpx.TimeoutException as error:
+            raise _Retry(f"no answer within {timeout:.3g} s ({type(error).__name__})") from None
+        except httpx.TransportError as error:  # refused, reset, closed mid-answer
+            raise _Retry(f"{type(error).__name__}: {one_line(str(error))}") from None
+        except httpx.RequestError as error:  # DecodingError (corrupt gzip): same answer again
+            raise _Failed(f"{type(error).__name__}: {one_line(str(error))}") from None
+        if response.is_success:
+            return content
+        detail = self.protocol.error_detail(content, self.endpoint)
+        cause = f"HTTP {response.status_code}: {detail}"
+        if retryable(response.status_code):
+            raise _Retry(cause)
+        raise _Failed(cause)
+
+    def _read(self, response: httpx.Response) -> bytes:
+        """The answer's body, decompressed; ``_Failed`` past ``max_response_mib``."""
+        limit = self._max_response_bytes
+        too_large = f"the answer is larger than max_response_mib ({self.max_response_mib:g} MiB)"
+        length = response.headers.get("Content-Length", "")
+        if length.isdigit() and int(length) > limit:  # compressed: larger still once read
+            raise _Failed(too_large)
+        chunks, size = [], 0
+        for chunk in response.iter_bytes():
+            size += len(chunk)
+            if size > limit:
+                raise _Failed(too_large)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
 def _protocol(name: Any, options: dict[str, Any]) -> Protocol:
@@ -271,6 +344,8 @@ def _protocol(name: Any, options: dict[str, Any]) -> Protocol:
 
 
 def _checked_url(url: Any) -> str:
+    import httpx
+
     example = "e.g. http://127.0.0.1:18090 for serve-reward"
     if url is None:
         raise ValueError(f"the option url is required: the server's address, {example}")
@@ -323,3 +398,15 @@ def _check_numbers(timeout: Any, retries: Any, backoff: Any, concurrency: Any) -
         raise ValueError(f"backoff must be a number of seconds >= 0, got {backoff!r}")
     if not (count(concurrency) and concurrency >= 1):
         raise ValueError(f"concurrency must be a whole number >= 1, got {concurrency!r}")
+
+
+def _check_limits(deadline: Any, max_response_mib: Any) -> None:
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not (number(deadline) and deadline > 0):
+        raise ValueError(
+            f"deadline must be a positive number of seconds (one batch, in all), got {deadline!r}"
+        )
+    if not (number(max_response_mib) and max_response_mib > 0):
+        raise ValueError(f"max_response_mib must be a positive number, got {max_response_mib!r}")

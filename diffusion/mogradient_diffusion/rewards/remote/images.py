@@ -1,9 +1,12 @@
 """Images on the wire: PNG for our protocol and VLM judges, JPEG for the pickle protocols.
 
-PNG is lossless, so a reward served by ``serve-reward`` scores exactly the pixels it would
-score in process. The pickle protocols send JPEG because their servers (Flow-GRPO's
-reward-server, VeRL-Omni's scorers) open the images as JPEG, at PIL's default quality as
-Flow-GRPO's client sends them, so scores match the reference's.
+Every protocol sends the trainer's float images rounded to 8 bits (``to_uint8_images``).
+PNG is lossless from there: a reward served by ``serve-reward`` gets exactly those 8-bit
+pixels, so one that reads 8-bit pixels (JPEG size, OCR, color rules) scores as in process,
+while one that reads float pixels (a learned model's preprocessing) sees the rounded image
+and scores differently by that round-off. The pickle protocols send JPEG because their
+servers (Flow-GRPO's reward-server, VeRL-Omni's scorers) open the images as JPEG, at PIL's
+default quality as Flow-GRPO's client sends them, so scores match the reference's.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ decodes to plain data), versioned, and lossless (PNG).
 from __future__ import annotations
 
 import json
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 
 from ..base import Metadata
 from .images import png_base64
-from .protocol import BadResponse, Protocol, one_line, quote
+from .protocol import BadResponse, Protocol, one_line, quote, score_value
 
 VERSION = 1
 
@@ -59,12 +58,7 @@ class Ours(Protocol):
         scores = answer.get("scores")
         if not isinstance(scores, list):
             raise BadResponse(f"the answer has no list of scores: {_short(answer)}")
-        for score in scores:
-            if score is not None and (
-                isinstance(score, bool) or not isinstance(score, numbers.Real)
-            ):
-                raise BadResponse(f"the scores hold {score!r}, not a number or null")
-        return [None if score is None else float(score) for score in scores]
+        return [None if score is None else score_value(score, "a score") for score in scores]
 
     def error_detail(self, body: bytes, source: str) -> str:
         try:

@@ -92,15 +92,25 @@ class PickleProtocol(Protocol):
 
 
 def scores_from(values: Any, what: str) -> list[float]:
-    """A list (or 1-D array) of real numbers -> floats; BadResponse naming ``what``."""
+    """A list (or 1-D array) of real numbers -> floats; BadResponse naming ``what``.
+    Booleans are refused (``True`` is no score), as in our protocol's JSON."""
     if isinstance(values, np.ndarray) and values.ndim == 1:
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
         raise BadResponse(f"{what} is a {type(values).__name__}, not a list of numbers")
-    if not all(isinstance(value, numbers.Real) for value in values):
-        wrong = next(value for value in values if not isinstance(value, numbers.Real))
-        raise BadResponse(f"{what} holds {quote(repr(wrong))}, not a number")
-    return [float(value) for value in values]
+    return [score_value(value, what) for value in values]
+
+
+def score_value(value: Any, what: str) -> float:
+    """One score as a float: a real number, not a bool, within a float's range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        shown = quote(repr(value)) if not isinstance(value, int) else repr(value)
+        raise BadResponse(f"{what}: {shown} is not a number")
+    try:
+        return float(value)
+    except OverflowError:  # an integer past 1.8e308
+        bits = value.bit_length() if isinstance(value, int) else "?"
+        raise BadResponse(f"{what}: an integer of {bits} bits is too large for a float") from None
 
 
 def one_line(text: str) -> str:

@@ -17,6 +17,20 @@ names. This unpickler resolves only the globals that plain data needs:
   by its string (``"<f4"``), checked to be a bool or number type. Object arrays, string
   arrays, structured and datetime dtypes are refused.
 
+A pickle can do more than call globals: ``BUILD`` sets state on any object it holds,
+including a global itself (``setattr`` on a class lasts for the whole process). So no
+global resolves to a class or a function: each resolves to an immutable ``_Global``
+wrapper (``__slots__``, and a ``__setstate__`` that refuses), and the stand-ins have
+``__slots__`` and take only the state numpy's own pickles give them (a dtype's byte order,
+an array's shape, dtype and bytes); any other ``BUILD`` is an ``UnpicklingError``.
+
+Before anything is unpickled the opcodes are read once with ``pickletools.genops``: a memo
+index (``PUT``, ``BINPUT``, ``LONG_BINPUT``) is at most the number of opcodes, since each
+opcode stores at most one value. The C unpickler sizes its memo array by the largest index
+it is given, so ``LONG_BINPUT 2**31`` alone would ask for ~32 GiB. (The pure-Python
+unpickler keeps its memo in a dict, but it is a private class, ``pickle._Unpickler``, and
+runs one Python call per opcode; the scan keeps the C unpickler.)
+
 Everything else, and persistent ids, is refused with ``UnsafePickleError`` before anything
 is called.
 """
@@ -26,7 +40,9 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import pickletools
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -48,8 +64,29 @@ def safe_loads(data: bytes, source: str) -> Any:
     """``pickle.loads(data)`` limited to plain data; ``source`` (the server) names the
     sender in the error. Raises ``UnsafePickleError`` for anything else, and pickle's own
     errors (``UnpicklingError``, ``EOFError``, ...) for a body that is not a pickle."""
+    _check_memo_indices(data)
     loaded = _RestrictedUnpickler(io.BytesIO(data), source).load()
     return _realized(loaded, source, {}, 0)
+
+
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_memo_indices(data: bytes) -> None:
+    """Refuse a memo index beyond the pickle's opcode count (see the module's docstring);
+    a body that is not a sequence of opcodes is an ``UnpicklingError`` here too."""
+    count, largest = 0, -1
+    try:
+        for opcode, argument, _ in pickletools.genops(data):
+            count += 1
+            if opcode.name in _MEMO_PUTS:
+                largest = max(largest, argument)
+    except ValueError as error:  # genops' own errors: an unknown opcode, truncated data
+        raise pickle.UnpicklingError(f"not a pickle: {error}") from None
+    if largest >= count:
+        raise pickle.UnpicklingError(
+            f"memo index {largest} in a pickle of {count} opcodes (a forged memo size)"
+        )
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -62,7 +99,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if module == "builtins" and name in BUILTINS:
             return BUILTINS[name]
         if (module, name) == ("_codecs", "encode"):
-            return _latin1_encode
+            return _CODECS_ENCODE
         stand_in = _NUMPY.get((re.sub(r"^numpy\._?core\.", "numpy.core.", module), name))
         if stand_in is not None:
             return stand_in
@@ -76,7 +113,31 @@ class _RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def _not_from_a_size(kind: type) -> Any:
+class _Global:
+    """What an accepted global resolves to: calling it calls ``make``; it has no attributes
+    to set and refuses ``BUILD``, so a pickle cannot change it (a class or a function would
+    take ``setattr``, or new ``__defaults__``, for the rest of the process)."""
+
+    __slots__ = ("_make", "_name")
+
+    def __init__(self, name: str, make: Callable[..., Any]):
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_make", make)
+
+    def __call__(self, *arguments: Any) -> Any:
+        return self._make(*arguments)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise pickle.UnpicklingError(f"setting {name!r} on {self._name}")
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"a pickle gave {self._name} a state (BUILD on a global)")
+
+    def __repr__(self) -> str:
+        return f"<accepted global {self._name}>"
+
+
+def _not_from_a_size(kind: type) -> Callable[..., Any]:
     """``bytes`` or ``bytearray`` as pickles call them (empty, from bytes, from latin-1
     text), never from a size: ``bytearray(10**12)`` asks for a terabyte in 15 bytes."""
 
@@ -88,8 +149,13 @@ def _not_from_a_size(kind: type) -> Any:
     return build
 
 
-BUILTINS = {"set": set, "frozenset": frozenset, "complex": complex}
-BUILTINS |= {kind.__name__: _not_from_a_size(kind) for kind in (bytes, bytearray)}
+BUILTINS = {
+    kind.__name__: _Global(f"builtins.{kind.__name__}", kind) for kind in (set, frozenset, complex)
+}
+BUILTINS |= {
+    kind.__name__: _Global(f"builtins.{kind.__name__}", _not_from_a_size(kind))
+    for kind in (bytes, bytearray)
+}
 
 
 def _latin1_encode(text: str, encoding: str) -> bytes:
@@ -99,12 +165,30 @@ def _latin1_encode(text: str, encoding: str) -> bytes:
     return text.encode("latin-1")
 
 
+_CODECS_ENCODE = _Global("_codecs.encode", _latin1_encode)
+
+
+def _never_called(*arguments: Any) -> Any:
+    raise pickle.UnpicklingError("numpy.ndarray called: numpy pickles only name it")
+
+
 # ``numpy.ndarray`` resolves to this marker: it is only ever ``_reconstruct``'s first argument
-_NDARRAY = object()
+_NDARRAY = _Global("numpy.ndarray", _never_called)
 
 
 class _Recorded:
-    """What a numpy global was called with, turned into the real value by ``real``."""
+    """What a numpy global was called with, turned into the real value by ``real``. Only
+    the attributes in ``__slots__`` exist; ``BUILD`` is refused unless a subclass takes the
+    state numpy's pickles give it."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"a pickle gave a numpy {self.kind} a state")
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__.strip("_").lower()
 
     def real(self, source: str) -> Any:
         raise NotImplementedError
@@ -114,11 +198,16 @@ class _Dtype(_Recorded):
     """``numpy.dtype(typestr, align, copy)`` and its ``__setstate__``: only the type string
     and the byte order are kept; the rest of the state (flags, fields) is never applied."""
 
+    __slots__ = ("byteorder", "typestr")
+
     def __init__(self, typestr: Any, align: Any = False, copy: Any = True):
         self.typestr, self.byteorder = typestr, "|"
 
-    def __setstate__(self, state: tuple) -> None:
-        self.byteorder = state[1]
+    def __setstate__(self, state: Any) -> None:
+        # (version, byteorder, ...) with 6 to 9 items; numpy's oldest: (byteorder, ...), 5
+        if not (isinstance(state, tuple) and 5 <= len(state) <= 9):
+            raise pickle.UnpicklingError("a numpy dtype state that numpy does not write")
+        self.byteorder = state[0] if len(state) == 5 else state[1]
 
     def real(self, source: str) -> np.dtype:
         if not (isinstance(self.typestr, str) and PLAIN_DTYPE.fullmatch(self.typestr)):
@@ -136,6 +225,8 @@ class _Dtype(_Recorded):
 class _Array(_Recorded):
     """``_reconstruct(ndarray, ...)`` then ``__setstate__``, or ``_frombuffer(...)``."""
 
+    __slots__ = ("dtype", "fortran", "raw", "shape")
+
     def __init__(self, shape: Any = (), dtype: Any = None, fortran: Any = False, raw: Any = b""):
         self.shape, self.dtype, self.fortran, self.raw = shape, dtype, fortran, raw
 
@@ -149,8 +240,10 @@ class _Array(_Recorded):
     def frombuffer(cls, buffer: Any, dtype: Any, shape: Any, order: Any) -> _Array:
         return cls(shape, dtype, order == "F", buffer)
 
-    def __setstate__(self, state: tuple) -> None:
+    def __setstate__(self, state: Any) -> None:
         # (version, shape, dtype, is_fortran, raw); numpy's oldest pickles lack the version
+        if not (isinstance(state, tuple) and len(state) in (4, 5)):
+            raise pickle.UnpicklingError("a numpy array state that numpy does not write")
         self.shape, self.dtype, self.fortran, self.raw = state[-4:]
 
     def real(self, source: str) -> np.ndarray:
@@ -169,7 +262,9 @@ class _Array(_Recorded):
 
 
 class _Scalar(_Recorded):
-    """``scalar(dtype, data)``: one numpy number."""
+    """``scalar(dtype, data)``: one numpy number (numpy's pickles give it no state)."""
+
+    __slots__ = ("data", "dtype")
 
     def __init__(self, dtype: Any, data: Any = b""):
         self.dtype, self.data = dtype, data
@@ -187,12 +282,12 @@ def _real_dtype(dtype: Any, source: str) -> np.dtype:
     return dtype.real(source)
 
 
-_NUMPY: dict[tuple[str, str], Any] = {
-    ("numpy", "dtype"): _Dtype,
+_NUMPY: dict[tuple[str, str], _Global] = {
+    ("numpy", "dtype"): _Global("numpy.dtype", _Dtype),
     ("numpy", "ndarray"): _NDARRAY,
-    ("numpy.core.multiarray", "_reconstruct"): _Array.reconstruct,
-    ("numpy.core.multiarray", "scalar"): _Scalar,
-    ("numpy.core.numeric", "_frombuffer"): _Array.frombuffer,
+    ("numpy.core.multiarray", "_reconstruct"): _Global("_reconstruct", _Array.reconstruct),
+    ("numpy.core.multiarray", "scalar"): _Global("numpy scalar", _Scalar),
+    ("numpy.core.numeric", "_frombuffer"): _Global("_frombuffer", _Array.frombuffer),
 }
 
 
@@ -205,7 +300,7 @@ def _realized(value: Any, source: str, done: dict[int, Any], depth: int) -> Any:
         raise pickle.UnpicklingError(f"nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, _Recorded):
         result = value.real(source)
-    elif value is _NDARRAY or callable(value):  # a global named but never called
+    elif isinstance(value, _Global) or callable(value):  # a global named but never called
         raise UnsafePickleError(f"refused to unpickle a bare global from {source}: {ACCEPTED}")
     elif isinstance(value, list):
         result = done[id(value)] = []
