@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml diffusion/pyproject.toml $(CONSTRAINTS)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0 -c $(CONSTRAINTS)
 	# The two distributions of this repository: the core (torch + numpy) and the diffusion RL.
-	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,mtl,docs]" -e "./diffusion[wandb,mlflow]" \
+	$(PY) -m pip install --quiet -e ".[solvers,plot,dev,bench,mtl,docs]" -e "./diffusion[wandb,mlflow,serve]" \
 		-c $(CONSTRAINTS)
 	# LibMTL for the parity tests and the head-to-head; --no-deps: its release pins
 	# torchvision, which neither needs (its weighting package is loaded on its own).

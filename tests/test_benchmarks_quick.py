@@ -138,6 +138,30 @@ def test_engine_cost_quick_times_both_engines(tmp_path: Path) -> None:
     assert rows[("weighted_sum", "auto")]["skipped"] < rows[("weighted_sum", "auto")]["steps"]
 
 
+@pytest.mark.slow
+def test_remote_overlap_quick_times_sequential_and_overlapped_scoring(tmp_path: Path) -> None:
+    """The miniature recipe with its rewards served at 0.5 s a request, scored after
+    sampling and overlapped with it, beside the rewards in process."""
+    pytest.importorskip("diffusers", reason="the diffusion extra is not installed")
+    pytest.importorskip("uvicorn", reason="the serve extra is not installed")
+    before = _results_state()
+    result = _run_quick(BENCHMARKS / "bench_remote_overlap.py", "--out", str(tmp_path))
+    payload = _load(tmp_path, "remote_overlap")
+    rows = {row["row"]: row for row in payload["rows"]}
+    assert set(rows) == {
+        "remote_sequential",
+        "remote_overlap",
+        "in_process_sequential",
+        "in_process_overlap",
+    }
+    # Overlapped, most of the servers' 2 s an epoch hides behind sampling.
+    assert rows["remote_overlap"]["reward_s"] < rows["remote_sequential"]["reward_s"] - 0.5
+    assert all(row["epoch_s"] > 0 and row["speedup"] > 0 for row in rows.values())
+    assert all(row["max_mean_difference"] < 1e-3 for row in rows.values())  # the same run
+    assert "| remote_overlap |" in result.stdout
+    assert _results_state() == before
+
+
 def test_instance_gram_quick_compares_with_torchjd(tmp_path: Path) -> None:
     """Both models, both methods: times, memory, and errors at float32 round-off."""
     pytest.importorskip("torchjd", reason="the benchmark compares against TorchJD")

@@ -1,4 +1,4 @@
-"""``mogradient-diffusion train|plot|eval|compare|convert-*``: the command-line entry point.
+"""``mogradient-diffusion train|plot|eval|compare|convert-*|serve-reward``: the command line.
 
 Configuration problems are reported as one line naming the key and the fix, before any
 model loads; no traceback for user errors. Ctrl-C (exit 130), SIGTERM (exit 143) and running
@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     convert_ir.add_argument("tokenizer_dir", type=Path, help="bert-base-uncased tokenizer files")
     convert_ir.add_argument("out_dir", type=Path)
     convert_ir.add_argument("--med-config", type=Path, help="med_config.json of the release")
+    _add_serve_parser(commands)
     args = parser.parse_args(argv)
     with _stop_signals(_forced_stop(args)):
         try:
@@ -126,6 +127,8 @@ def _command(args: argparse.Namespace) -> int:
         return _convert_hps(args.checkpoint, args.processor_dir, args.out_dir)
     if args.command == "convert-image-reward":
         return _convert_image_reward(args)
+    if args.command == "serve-reward":
+        return _serve_reward(args)
     return _train(args.config, args.preset, args.overrides, args.allow_config_change)
 
 
@@ -485,6 +488,92 @@ def _step_counts(text: str) -> list[int]:
     if len(set(counts)) != len(counts):
         raise ValueError(f"bad --steps-sweep {text!r}: a step count is repeated")
     return counts
+
+
+def _add_serve_parser(commands) -> None:
+    serve = commands.add_parser(
+        "serve-reward",
+        help="serve a registered reward over HTTP, for the `remote` reward (needs the serve extra)",
+        description="Serve one reward (built in, or registered by --reward-module) over the "
+        "`ours` protocol: POST /score, GET /health. Training runs name it as a `remote` reward "
+        "with url http://HOST:PORT. One log line per request.",
+    )
+    serve.add_argument("--reward", required=True, help="the registered reward's name")
+    serve.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="reward option, e.g. quality=90 (repeatable; values read as YAML scalars)",
+    )
+    serve.add_argument(
+        "--reward-module",
+        action="append",
+        default=[],
+        help="module to import for user-registered rewards (repeatable)",
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1, this machine only: the server has "
+        "no authentication)",
+    )
+    serve.add_argument("--port", type=int, default=18090, help="(default: 18090)")
+    serve.add_argument(
+        "--max-batch", type=int, default=16, help="images per reward call at most (default: 16)"
+    )
+    serve.add_argument(
+        "--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)"
+    )
+
+
+def _serve_reward(args: argparse.Namespace) -> int:
+    """Exit 2 for what the user must fix: a missing extra, a bad option, an unknown reward."""
+    name = "mogradient-diffusion serve-reward"
+    try:
+        import uvicorn  # noqa: F401  (the server's, imported here to check the extra)
+
+        from mogradient_diffusion.rewards.remote.server import serve
+    except ModuleNotFoundError as error:
+        if error.name not in ("fastapi", "uvicorn", "starlette", "pydantic"):
+            raise
+        print(
+            f"{name}: needs FastAPI and uvicorn ({error.name} is missing): "
+            "pip install 'mogradient-diffusion[serve]'",
+            file=sys.stderr,
+        )
+        return 2
+    from mogradient_diffusion.evaluation.inputs import resolve_device
+    from mogradient_diffusion.rewards import MissingWeightsError, make_reward
+    from mogradient_diffusion.training_config import import_reward_modules
+
+    try:
+        if args.max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+        options = _reward_options(args.option)
+        import_reward_modules(args.reward_module)
+        reward = make_reward(args.reward, **options).to(resolve_device(args.device))
+    except (ValueError, TypeError, MissingWeightsError) as error:  # ConfigError, unknown names
+        print(f"{name}: {error}", file=sys.stderr)
+        return 2
+    serve(reward, args.host, args.port, args.max_batch)
+    return 0
+
+
+def _reward_options(items: list[str]) -> dict[str, object]:
+    """``key=value`` strings -> {key: value}; values parsed as YAML scalars."""
+    import yaml
+
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad --option {item!r}: expected KEY=VALUE, e.g. quality=90")
+        try:
+            options[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError(f"bad --option {item!r}: {value!r} is not a YAML value") from None
+    return options
 
 
 def _metric_options(items: list[str]) -> dict[str, dict]:

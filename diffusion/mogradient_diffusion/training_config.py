@@ -17,6 +17,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ class TrainingConfig:
         plain = _plain(dataclasses.asdict(self))
         plain["objective"] = _plain(self.objective.to_dict())
         plain["strategy"] = _plain(self.strategy.to_dict())
+        plain["rewards"] = [_plain(reward.to_dict()) for reward in self.rewards]
         return plain
 
 
@@ -228,7 +230,7 @@ def expand_paths(config: TrainingConfig) -> None:
     for reward in config.rewards:
         paths = _path_options(reward, config.reward_modules)
         reward.options = {  # a new dict: the options may be a preset's own
-            option: expand_path(value, f"reward {reward.name!r} option {option}")
+            option: expand_path(value, f"reward {reward.run_name!r} option {option}")
             if option in paths and isinstance(value, str)
             else value
             for option, value in reward.options.items()
@@ -470,7 +472,26 @@ def _check_reward_options(reward: RewardConfig, cls: type) -> None:
     unknown = sorted(set(reward.options) - set(accepted))
     if unknown:
         raise ConfigError(
-            f"reward {reward.name!r} has no option(s) {unknown}; its options: {accepted}"
+            f"reward {reward.run_name!r} has no option(s) {unknown}; its options: {accepted}"
+        )
+
+
+def _check_reward_deadline(reward: RewardConfig, cls: type, reward_timeout: float | None) -> None:
+    """A reward with a ``deadline`` of its own (``remote``) must give up before
+    ``rollout.reward_timeout`` stops the run: then its ``required`` option decides (one line,
+    or NaN counted) rather than the time-out, which stops training whatever it says."""
+    parameter = inspect.signature(cls.__init__).parameters.get("deadline")
+    if parameter is None or reward_timeout is None:
+        return
+    deadline = reward.options.get("deadline", parameter.default)
+    given = "" if "deadline" in reward.options else " (its default)"
+    number = isinstance(deadline, (int, float)) and not isinstance(deadline, bool)
+    if number and deadline >= reward_timeout:  # a bad value: the reward's own message
+        raise ConfigError(
+            f"reward {reward.run_name!r}: its deadline, {deadline:g} s{given}, must be below "
+            f"rollout.reward_timeout ({reward_timeout:g} s), so that a server that stops "
+            "answering fails as its required option says; lower the deadline option or "
+            "raise rollout.reward_timeout"
         )
 
 
@@ -479,20 +500,19 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
 
     strategy = config.strategy
     import_reward_modules(config.reward_modules)
-    names = [reward.name for reward in config.rewards]
-    if not names:
+    if not config.rewards:
         raise ConfigError("no rewards configured: add at least one entry under `rewards:`")
-    for name in names:  # old spellings too (a reward keeps the name the config gives it)
+    for reward in config.rewards:  # old spellings too (a reward keeps the name it is given)
         try:
-            REWARDS.canonical(name)
+            REWARDS.canonical(reward.name)
         except UnknownNameError as error:  # it names the closest rewards and every choice
             raise ConfigError(str(error)) from None
-    if len({REWARDS.canonical(name) for name in names}) != len(names):
-        raise ConfigError(f"duplicate rewards in `rewards:`: {names}")
+    names = _checked_labels(config.rewards, REWARDS.canonical)
     for reward in config.rewards:
         _check_reward_options(reward, REWARDS[reward.name])
+        _check_reward_deadline(reward, REWARDS[reward.name], config.rollout.reward_timeout)
         if isinstance(reward.options.get("device"), str):
-            _check_device(f"reward {reward.name!r} option device", reward.options["device"])
+            _check_device(f"reward {reward.run_name!r} option device", reward.options["device"])
     strategy_type(strategy.name).check_config(
         strategy.name,
         strategy.settings,
@@ -500,6 +520,27 @@ def _check_rewards_and_strategy(config: TrainingConfig) -> None:
         objective=config.objective.name,
         objective_settings=config.objective.settings,
     )
+
+
+def _checked_labels(rewards: list[RewardConfig], canonical: Callable[[str], str]) -> list[str]:
+    """The names the run uses for its rewards (labels, else names), each once: a reward
+    listed twice needs a label on each entry but one, and two spellings of one reward
+    without labels are the same reward twice."""
+    names = [reward.run_name for reward in rewards]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError(
+            f"`rewards:` names {repeated} more than once: give each entry of the same reward "
+            "a label of its own, e.g. {name: remote, label: geneval, options: {...}}"
+        )
+    plain = [canonical(reward.name) for reward in rewards if reward.label is None]
+    twice = sorted({name for name in plain if plain.count(name) > 1})
+    if twice:
+        raise ConfigError(
+            f"`rewards:` lists {twice} twice under different spellings: {names}; "
+            "keep one, or label each entry"
+        )
+    return names
 
 
 def _check_device(key: str, device: str) -> None:

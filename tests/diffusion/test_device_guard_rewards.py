@@ -95,6 +95,16 @@ def fixed_judge(image: np.ndarray, prompt: str) -> float:
     return 0.2 + 0.8 * float(image.mean()) / 255
 
 
+def remote(weights: Weights) -> Reward:
+    """The remote reward with its one request replaced (no server): only ``score``'s tensor
+    handling and its pool of request threads run."""
+    reward = make_reward("remote", url="http://127.0.0.1:9", batch_size=2)
+    reward._request = lambda images, prompts, metadata, end: [  # type: ignore[method-assign]
+        fixed_judge(image, prompt) for image, prompt in zip(images, prompts, strict=True)
+    ]
+    return reward
+
+
 def unified_reward(weights: Weights) -> Reward:
     """The HTTP client with its request replaced: only ``score``'s tensor handling runs."""
     reward = make_reward("unified_reward", base_url="http://127.0.0.1:9/v1")
@@ -167,6 +177,7 @@ CASES: dict[str, Case] = {
     "mini_style": plain("mini_style"),
     "ocr": plain("ocr"),
     "pick_score": with_model("pick_score", "clip", path="clip"),
+    "remote": Case(remote),
     "unified_reward": Case(unified_reward),
 }
 

@@ -24,6 +24,7 @@ from mogradient_diffusion.evaluation.evaluate import (
 )
 from mogradient_diffusion.evaluation.grid import GAP, TILE
 from mogradient_diffusion.model.policy import LoraSpec, Policy
+from mogradient_diffusion.rewards import RewardSet
 
 from .reward_models import save_tiny_clip
 
@@ -169,6 +170,15 @@ def test_bad_eval_input_is_one_clear_line(tiny_pipeline_dir, tmp_path, capsys, a
     assert run_eval(tmp_path / "out", tiny_pipeline_dir, *args) == 2
     error = capsys.readouterr().err
     assert message in error and "Traceback" not in error
+
+
+def test_eval_closes_its_rewards(tiny_pipeline_dir, tmp_path, monkeypatch):
+    """A remote reward's connections and threads end with the evaluation."""
+    closed = []
+    monkeypatch.setattr(RewardSet, "close", lambda self: closed.append(self.names))
+    args = ["--prompts", "ocr", "--metrics", "jpeg_compressibility", "--max-prompts", "1"]
+    assert run_eval(tmp_path / "out", tiny_pipeline_dir, *args, "--images-per-prompt", "1") == 0
+    assert closed == [("jpeg_compressibility",)]
 
 
 def test_compare_without_summary_names_the_folder(tmp_path, capsys):

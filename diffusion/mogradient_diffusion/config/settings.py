@@ -10,6 +10,7 @@ package, so any part may read it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,10 +100,42 @@ class TrainConfig:
     gradient_engine: str = "auto"
 
 
+# A reward's label ends up in metric names (``reward/<label>/mean``), split on "/".
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
 @dataclass
 class RewardConfig:
+    """One entry of ``rewards:``: the registered reward ``name``, its constructor
+    ``options``, and the ``label`` the run knows it by (its metrics, advantages, strategy
+    settings and checkpoints); the label defaults to the name, so that one reward listed
+    twice (two ``remote`` servers) can be told apart."""
+
     name: str
     options: dict[str, Any] = field(default_factory=dict)
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.label == self.name:  # the default written out: saved the same as left out
+            self.label = None
+        if self.label is not None and not (
+            isinstance(self.label, str) and LABEL.fullmatch(self.label)
+        ):
+            raise ValueError(
+                f"label must be letters, digits, '_', '-' or '.' (it names the reward's "
+                f"metrics, reward/<label>/mean), got {self.label!r}"
+            )
+
+    @property
+    def run_name(self) -> str:
+        """The name the run uses for this reward: its label, else its registered name."""
+        return self.label or self.name
+
+    def to_dict(self) -> dict[str, Any]:
+        """As saved in config.yaml and checkpoints: no label when it is the name, so runs
+        saved before labels existed compare equal on resume."""
+        label = {} if self.label is None else {"label": self.label}
+        return {"name": self.name, **label, "options": dict(self.options)}
 
 
 @dataclass

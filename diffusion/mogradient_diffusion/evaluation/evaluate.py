@@ -322,6 +322,13 @@ def evaluate(settings: EvalSettings) -> Path:
     rewards = RewardSet(
         [make_reward(name, **settings.metric_options.get(name, {})) for name in settings.metrics]
     )
+    try:
+        return _evaluate(settings, source, rewards)
+    finally:  # a remote reward's connections and threads
+        rewards.close()
+
+
+def _evaluate(settings: EvalSettings, source: PromptSource, rewards: RewardSet) -> Path:
     out = check_output_dir(settings.out)
     with quiet_library_messages():
         pipeline = load_pipeline(settings)

@@ -3,8 +3,9 @@
 Importing the package registers the built-in rewards: offline ones (``ocr``,
 ``jpeg_compressibility``, ``jpeg_incompressibility``, ``color_match``, ``count_match``)
 model-based ones that load local weights (``pick_score``, ``clip_score``, ``hps_v21``,
-``aesthetic``, ``image_reward``, ``geneval``, ``geneval_strict``) and ``unified_reward``,
-a client of a VLM served over HTTP; user rewards register with ``@register_reward``.
+``aesthetic``, ``image_reward``, ``geneval``, ``geneval_strict``), ``unified_reward``,
+a client of a VLM served over HTTP, and ``remote``, a client of any reward server
+(``remote/``); user rewards register with ``@register_reward``.
 The old spellings ``pickscore``, ``clipscore`` and ``hpsv21`` still name theirs.
 """
 
@@ -19,6 +20,7 @@ from .jpeg import JpegCompressibility, JpegIncompressibility, jpeg_kilobytes
 from .local_weights import MissingWeightsError
 from .ocr import OcrReward, levenshtein, normalize_text, quoted_text, text_match_score
 from .registry import REWARDS, make_reward, register_reward
+from .remote import RemoteReward, RewardServiceError
 from .reward_set import RewardScores, RewardSet
 from .unified_reward import UnifiedReward
 
@@ -37,9 +39,11 @@ __all__ = [
     "MissingWeightsError",
     "OcrReward",
     "PickScore",
+    "RemoteReward",
     "Reward",
     "RewardError",
     "RewardScores",
+    "RewardServiceError",
     "RewardSet",
     "UnifiedReward",
     "classify_pixels",

@@ -46,6 +46,11 @@ class Reward(ABC):
     name: str  # the registered name; make_reward gives an instance the name a config used
     aliases: tuple[str, ...] = ()  # old spellings of ``name`` that configs may still use
     value_range: tuple[float, float]
+    # True for a reward that waits on something outside this process (a server) and may be
+    # called from several threads at once: a reward set scores it beside the other rewards
+    # and, with rollout.overlap_rewards, on several batches at once. False (models and rules
+    # in this process): scored one at a time, in the listed order.
+    concurrent: bool = False
 
     def __init__(self, device: str | torch.device | None = None, batch_size: int | None = None):
         if batch_size is not None and batch_size < 1:
@@ -58,6 +63,16 @@ class Reward(ABC):
         """Move the reward (and any model it holds) to ``device``; returns self."""
         self.device = torch.device(device)
         return self
+
+    def take_failed_samples(self) -> int | None:
+        """Samples scored NaN since the last call because scoring them failed (not because
+        the reward does not apply), reset to 0; None for a reward that raises instead."""
+        return None
+
+    def close(self) -> None:
+        """Release what the reward holds beyond memory (connections, threads) once a run or
+        an evaluation is done with it; it is not called again after. Default: nothing."""
+        return None
 
     @abstractmethod
     def score(self, images: Tensor, prompts: list[str], metadata: Metadata | None) -> Tensor:

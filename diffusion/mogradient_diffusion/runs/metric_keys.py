@@ -38,6 +38,12 @@ def reward_std(name: str) -> str:
     return f"reward/{name}/std"
 
 
+def reward_failed(name: str) -> str:
+    """Samples a reward scored NaN in the epoch because scoring them failed (an optional
+    remote reward whose server did not answer), over every rank."""
+    return f"reward/{name}/failed"
+
+
 def reward_time(name: str) -> str:
     return f"time/reward/{name}"
 

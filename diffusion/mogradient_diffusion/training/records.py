@@ -20,9 +20,12 @@ def epoch_record(
     step_records: list[dict[str, Any]],
     times: dict[str, float],
     decay: float,
+    failed: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """One epoch: timers, each reward's mean and spread over every rank's images, the
-    objectives' advantage statistics, the optimizer steps, and what gave no signal."""
+    samples a reward that degrades could not score (``failed``, per reward that counts
+    them), the objectives' advantage statistics, the optimizer steps, and what gave no
+    signal."""
     record: dict[str, Any] = dict(times)
     for index, name in enumerate(reward_names):
         column = all_rewards[:, index]
@@ -32,6 +35,8 @@ def epoch_record(
         population_std = float(valid.std(unbiased=False)) if len(valid) else float("nan")
         record[keys.reward_std(name)] = population_std
         record[keys.reward_time(name)] = float(reward_seconds.get(name, float("nan")))
+    for name, count in (failed or {}).items():
+        record[keys.reward_failed(name)] = count
     for key, values in advantage_stats.items():
         for name, value in zip(objectives, values.tolist(), strict=True):
             record[keys.advantage_stat(name, key)] = value

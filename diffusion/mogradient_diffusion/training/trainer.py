@@ -157,7 +157,8 @@ class Trainer:
         self.callbacks = tuple(callbacks)
         self.run_dir = Path(config.run.directory)
         self.rewards = build_rewards(config)
-        self.reward_names = [r.name for r in config.rewards]
+        self._intermediate_images = 0  # scored by _score this epoch (SDPO's anchor states)
+        self.reward_names = [r.run_name for r in config.rewards]
         self.prompt_sampler = build_prompt_sampler(config.prompts, seed=config.run.seed)
         family = _model_family(config)
         # The LoRA targets the run uses (the family's unless the config names them) are
@@ -237,7 +238,15 @@ class Trainer:
     # ----------------------------------------------------------------- run
     def run(self) -> Path:
         """Train from the latest checkpoint (if any) to the configured number of epochs,
-        then export; for a complete run whose export is missing, only export."""
+        then export; for a complete run whose export is missing, only export. The rewards
+        are closed when it returns or fails (``RewardSet.close``: a remote reward's
+        connections and threads)."""
+        try:
+            return self._run()
+        finally:
+            self.rewards.close()
+
+    def _run(self) -> Path:
         restored = self._restored
         if restored is not None:
             self._restore(restored)
@@ -295,6 +304,7 @@ class Trainer:
             callback.on_epoch_start(self)
         times: dict[str, float] = {}
         started = time.perf_counter()
+        self._intermediate_images = 0  # SDPO's anchor states, scored beside the samples
         drawn = self._epoch_prompts()
         per_image = self.config.rollout.images_per_prompt
         prompts = [item.prompt for item in drawn for _ in range(per_image)]
@@ -330,6 +340,7 @@ class Trainer:
             if background is not None:
                 background.close()
         times[keys.REWARD_TIME] = time.perf_counter() - started
+        failed, intermediate = self._failed_samples()
         epoch_data, stats = self._advantages(rewards, batch)
         started = time.perf_counter()
         if torch.cuda.is_available():
@@ -343,7 +354,9 @@ class Trainer:
             self.config.train.old_schedule, self.optimizer_step, self.config.train.old_cap
         )
         self.policy.update_old(decay)
-        record = self._epoch_record(stats, step_records, times, reward_seconds, decay)
+        record = self._epoch_record(
+            stats, step_records, times, reward_seconds, decay, failed, intermediate
+        )
         for callback in self.callbacks:
             callback.on_epoch_end(self, record)
         return record
@@ -352,7 +365,27 @@ class Trainer:
         self, images: torch.Tensor, prompts: list[str], metadata: list[dict[str, Any]]
     ) -> torch.Tensor:
         """Every reward on some images: the scorer objectives get for intermediate states."""
+        self._intermediate_images += len(prompts)
         return self.rewards(images, prompts, metadata)[0]
+
+    def _failed_samples(self) -> tuple[dict[str, int], int]:
+        """Per reward that degrades instead of raising (an optional remote one): the
+        images it scored NaN this epoch because scoring failed, summed over the ranks; and
+        the intermediate states (SDPO's) the rewards were asked to score beside the
+        samples, summed too. A failure is counted where it happens, and with overlapped
+        scoring the samples' and the states' scoring run at once, so the count holds both."""
+        counts = {
+            reward.name: count
+            for reward in self.rewards.rewards
+            if (count := reward.take_failed_samples()) is not None
+        }
+        if not counts:
+            return {}, 0
+        local = [*counts.values(), self._intermediate_images]
+        local = torch.tensor([local], dtype=torch.float64)
+        total = self.world.all_gather_rows(local.to(self.world.device)).sum(dim=0).cpu()
+        *failed, intermediate = (int(value) for value in total.tolist())
+        return dict(zip(counts, failed, strict=True)), intermediate
 
     # ---------------------------------------------------------- advantages
     def _advantages(
@@ -704,6 +737,8 @@ class Trainer:
         times: dict[str, float],
         reward_seconds: dict[str, float],
         decay: float,
+        failed: dict[str, int],
+        intermediate: int = 0,
     ) -> dict[str, Any]:
         all_rewards = stats.pop("all_rewards")
         silent = stats.pop("silent")
@@ -717,9 +752,21 @@ class Trainer:
             step_records,
             times,
             decay,
+            failed,
         )
         if self.world.size > 1:
             record[keys.PARAMETER_DIVERGENCE] = self.world.divergence(self.parameters)
+        asked = f"{len(all_rewards)} samples"
+        if intermediate:  # the denominator holds what the count may hold
+            asked = f"{len(all_rewards) + intermediate} images ({asked}, {intermediate} "
+            asked += "intermediate states)"
+        for name, count in failed.items():
+            if count:
+                self._warn(
+                    f"epoch {self.epoch}: reward {name!r} could not score {count} of {asked} "
+                    "(required: false): they count as not applicable (NaN), so the other "
+                    "rewards alone decided their advantages"
+                )
         for name in record[keys.REWARDS_WITHOUT_SIGNAL]:
             self._warn(
                 f"epoch {self.epoch}: reward {name!r} was NaN (not applicable) for every "
@@ -836,11 +883,13 @@ def build_rewards(config: TrainingConfig) -> RewardSet:
             f"rollout.reward_timeout must be > 0 seconds (or null: no limit), got {timeout}"
         )
     rewards = []
-    for reward in config.rewards:
+    for entry in config.rewards:
         try:
-            rewards.append(make_reward(reward.name, **reward.options))
+            reward = make_reward(entry.name, **entry.options)
         except Exception as error:
-            raise ConfigError(f"reward {reward.name!r} could not be built: {error}") from error
+            raise ConfigError(f"reward {entry.run_name!r} could not be built: {error}") from error
+        reward.name = entry.run_name
+        rewards.append(reward)
     return RewardSet(rewards, timeout=timeout)
 
 
