@@ -20,6 +20,7 @@ from benchmarks.memory_model import (
     add_lora,
     estimate,
     measured_cpu_peak,
+    peak_bytes,
     scaled_down,
     trace_training_forward,
     training_forward,
@@ -117,6 +118,23 @@ def test_meta_count_is_the_cpu_count_of_the_same_forward(name: str) -> None:
         assert getattr(on_meta, field) == pytest.approx(getattr(on_cpu, field), rel=0.01)
     assert len(on_meta.blocks) == len(on_cpu.blocks) > 0
     assert on_meta.activations(True) < on_meta.activations(False)
+
+
+def test_the_peak_counts_only_frees_of_blocks_allocated_within_the_step() -> None:
+    """A free at an address the step never allocated (a block made before it, reported
+    with a size the profiler remembered from an earlier session) does not lower the peak;
+    a free of the step's own block counts its whole size."""
+    events = [(1, 4_000), (99, -400_000), (2, 8_000), (1, -4_000), (3, 1_000), (2, -8_000)]
+    assert peak_bytes(events) == 12_000
+    assert peak_bytes([(7, -5), (7, 3), (8, 2), (7, -3), (9, 4)]) == 6
+
+
+def test_the_measured_peak_is_the_steps_own_allocations() -> None:
+    def step() -> None:
+        kept, dropped = torch.ones(2_000), torch.ones(1_000)
+        del dropped, kept
+
+    assert measured_cpu_peak(step) == 12_000
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -163,6 +163,6 @@ def test_the_top_level_help_is_plain_text(capsys):
         main(["--help"])
     text = capsys.readouterr().out
     assert "``" not in text and ":func:" not in text
-    assert "mogradient-diffusion train|plot|eval|compare|convert-*: the command-line" in text
+    assert "mogradient-diffusion train|plot|eval|compare|convert-*|serve-reward: the" in text
     roles = "see :func:`~mogradient.step.apply`, :class:`Foo`, :doc:`the guide <x/y>`, ``a b``"
     assert plain_help(roles) == "see apply, Foo, the guide, a b"

@@ -95,6 +95,7 @@ def test_verl_omni_sends_one_image_per_request_and_an_error_answer_fails(remote)
     with fakes.serving(fakes.verl) as server:
         optional = remote(url=server.url, protocol="verl_omni", required=False, **FAST)
         scores = optional(images(4), prompts)
+        requests_for_four_images = len(server.received)
         required = remote(url=server.url, protocol="verl_omni", **FAST)
         with pytest.raises(RewardServiceError, match="reported an error: ValueError: no text"):
             required(images(4), prompts)
@@ -103,7 +104,9 @@ def test_verl_omni_sends_one_image_per_request_and_an_error_answer_fails(remote)
     assert torch.equal(scores.isnan(), expected.isnan())
     assert torch.equal(scores.nan_to_num(), expected.nan_to_num())
     assert optional.take_failed_samples() == 1 and optional.failed_samples == 0
-    assert len(server.received) >= 8
+    # One request an image (the stand-in refuses any other); the required reward may stop
+    # sending once the error answer arrives, so only the optional one's count is fixed.
+    assert requests_for_four_images == 4
 
 
 def test_an_openai_judge_scores_final_score_and_never_guesses(remote, monkeypatch) -> None:
