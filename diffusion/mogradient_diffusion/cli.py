@@ -8,6 +8,7 @@ out of GPU memory end in one line too, saying what was kept.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import signal
@@ -772,5 +773,25 @@ def _convert_image_reward(args: argparse.Namespace) -> int:
     return 0
 
 
+def entry() -> None:
+    """The program: ``main``'s exit code, and after a stop with worker threads still busy,
+    the end of the process without Python's shutdown.
+
+    Overlapped and remote scoring run on daemon threads so that a stop never waits on them.
+    Python's shutdown ends such a thread where it next takes the GIL; inside torch's C++
+    code that aborts the process (``terminate called without an active exception``, exit
+    -6 instead of 130, seen about one stop in four). By then the command has saved what it
+    keeps and said so, so the streams and log handlers are flushed and the process ends."""
+    code = main()
+    if code in {128 + signal.SIGINT, 128 + signal.SIGTERM} and any(
+        thread.daemon and thread.is_alive() for thread in threading.enumerate()
+    ):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

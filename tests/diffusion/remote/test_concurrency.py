@@ -295,7 +295,7 @@ def test_ctrl_c_in_training_while_a_server_hangs_ends_the_process_at_once(
             assert asked.wait(90), "the server was never asked"
             process.send_signal(signal.SIGINT)
             sent = time.monotonic()
-            assert process.wait(timeout=30) == 130
+            assert process.wait(timeout=30) == 130, process.stderr.read()[-3000:]
             assert time.monotonic() - sent < 10
         finally:
             process.kill()
