@@ -43,15 +43,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -80,33 +77,6 @@ class Delayed(Reward):
     def score(self, images, prompts, metadata):
         time.sleep(self.seconds)
         return self.inner(images, prompts, metadata)
-
-
-@contextmanager
-def serving(reward: Reward) -> Iterator[str]:
-    """``serve-reward``'s app for ``reward`` under uvicorn on a free port of 127.0.0.1, in
-    a thread; yields its URL."""
-    import uvicorn
-
-    from mogradient_diffusion.rewards.remote.server import create_app
-
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(create_app(reward, max_batch=CHUNK), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError(f"the server of {reward.name} did not start")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        listener.close()
 
 
 def rewards_override(urls: dict[str, str] | None) -> list[str]:
@@ -261,12 +231,15 @@ def main() -> int:
     torch.set_num_threads(1)  # the servers' share of the machine: one thread, as the trainer
     sys.path.insert(0, str(ROOT))
     from miniature.recipe import TRAIN_REWARDS, write_prompt_files
+    from mogradient_diffusion.rewards.remote.server import serving_in_thread
 
     runs: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
     with tempfile.TemporaryDirectory(prefix="bench_remote_overlap_") as tmp, ExitStack() as stack:
         prompts = write_prompt_files(Path(tmp) / "prompts")
         urls = {
-            name: stack.enter_context(serving(Delayed(make_reward(name), args.latency)))
+            name: stack.enter_context(
+                serving_in_thread(Delayed(make_reward(name), args.latency), CHUNK)
+            )
             for name in TRAIN_REWARDS
         }
         for round_index in range(rounds):

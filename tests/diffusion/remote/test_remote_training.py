@@ -47,7 +47,7 @@ from .fakes import Answer, Received
 
 pytest.importorskip("uvicorn", reason="the serve extra is not installed")
 
-from .uvicorn_app import uvicorn_serving
+from mogradient_diffusion.rewards.remote.server import serving_in_thread
 
 EPOCHS = 2  # the second epoch trains on what the first one's scores changed
 # seconds per test: a tiny run takes about 10 s on 2 busy cores; these train up to twice
@@ -129,7 +129,9 @@ def test_served_rewards_train_exactly_as_in_process(
     ]
     assert train(tmp_path / "local", tiny_pipeline_dir, in_process) == 0
     with ExitStack() as servers:
-        ours = servers.enter_context(uvicorn_serving(make_reward("jpeg_incompressibility")))
+        ours = servers.enter_context(
+            serving_in_thread(make_reward("jpeg_incompressibility"), max_batch=4)
+        )
         flow_grpo = servers.enter_context(fakes.serving(flow_grpo_color))
         judge = servers.enter_context(fakes.serving(fakes.judge(judge_reply)))
         judge_options = {"protocol": "openai_judge", "model": "judge"}

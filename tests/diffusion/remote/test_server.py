@@ -31,9 +31,7 @@ from mogradient_diffusion import cli
 from mogradient_diffusion.rewards import Reward, make_reward
 from mogradient_diffusion.rewards.base import to_uint8_images
 from mogradient_diffusion.rewards.remote.images import png_base64
-from mogradient_diffusion.rewards.remote.server import create_app
-
-from .uvicorn_app import uvicorn_serving
+from mogradient_diffusion.rewards.remote.server import create_app, serving_in_thread
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [f"a photo {i}" for i in range(7)]
@@ -137,7 +135,7 @@ def test_a_served_reward_scores_as_in_process_under_concurrent_callers() -> None
     are the in-process ones exactly, for batches sent from several threads at once."""
     local = make_reward("jpeg_incompressibility")
     results: dict[int, torch.Tensor] = {}
-    with uvicorn_serving(make_reward("jpeg_incompressibility")) as url:
+    with serving_in_thread(make_reward("jpeg_incompressibility"), max_batch=4) as url:
         remote = make_reward("remote", url=url, batch_size=3, concurrency=4)
 
         def rank(seed: int) -> None:

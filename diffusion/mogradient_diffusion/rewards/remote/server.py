@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import numpy as np
@@ -138,3 +141,31 @@ def serve(reward: Reward, host: str, port: int, max_batch: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     app = create_app(reward, max_batch)
     uvicorn.run(app, host=host, port=port, access_log=False, log_level="info")
+
+
+@contextmanager
+def serving_in_thread(reward: Reward, max_batch: int = 16, start_s: float = 60.0) -> Iterator[str]:
+    """``serve-reward``'s app for ``reward`` under uvicorn on a free port of 127.0.0.1, in a
+    thread of this process; yields its URL and stops the server after.
+
+    For tests, benchmarks and notebooks: a served reward without a second process."""
+    import uvicorn
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(reward, max_batch), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_s
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"the server of reward {reward.name!r} did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        listener.close()
+    if thread.is_alive():
+        raise RuntimeError(f"the server of reward {reward.name!r} did not stop in 30 s")
