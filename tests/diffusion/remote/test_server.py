@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
 import math
 import os
@@ -152,6 +153,47 @@ def test_a_served_reward_scores_as_in_process_under_concurrent_callers() -> None
     assert sorted(results) == [0, 1, 2, 3]
     for seed, scores in results.items():
         assert torch.equal(scores, local(images(seed=seed), PROMPTS))
+
+
+RANK_SCRIPT = """
+import json, sys, torch
+from mogradient_diffusion.rewards import make_reward
+url, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+reward = make_reward("remote", url=url, batch_size=2, concurrency=2)
+scores = {}
+for step in range(4):
+    seed = 100 * rank + step
+    batch = torch.rand(7, 3, 24, 24, generator=torch.Generator().manual_seed(seed))
+    scores[seed] = reward(batch, [f"a photo {i}" for i in range(7)]).tolist()
+reward.close()
+json.dump(scores, open(out, "w"))
+"""
+
+
+@pytest.mark.timeout(300)  # two processes of their own, each importing torch
+def test_training_ranks_in_processes_of_their_own_share_one_server(tmp_path: Path) -> None:
+    """Two ranks, each a process with its own remote reward, score at once against one
+    server: every batch's scores are the in-process ones."""
+    local = make_reward("jpeg_incompressibility")
+    environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'diffusion'}"}
+    with serving_in_thread(make_reward("jpeg_incompressibility"), max_batch=4) as url:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", RANK_SCRIPT, url, str(rank), str(tmp_path / f"{rank}")],
+                env=environment,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        for process in ranks:
+            assert process.wait(240) == 0, process.stderr.read()[-3000:]
+    for rank in range(2):
+        scores = json.loads((tmp_path / f"{rank}").read_text())
+        assert len(scores) == 4
+        for seed, got in scores.items():
+            want = local(images(seed=int(seed)), PROMPTS)
+            assert torch.equal(torch.tensor(got, dtype=want.dtype), want), seed
 
 
 @pytest.mark.timeout(300)  # a process of its own: up to 90 s to start (it imports torch)
