@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -789,7 +790,9 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=11)
     parser.add_argument("--threads", type=int, default=THREADS, help="OMP/MKL threads per run")
     parser.add_argument(
-        "--quick", action="store_true", help="1 round of 3 epochs (smoke test; not written)"
+        "--quick",
+        action="store_true",
+        help="1 round of 3 epochs, two runs at a time (smoke test; not written)",
     )
     parser.add_argument(
         "--from-json",
@@ -806,12 +809,22 @@ def main() -> int:
     names = list(STRATEGIES)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     raw: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bench_trainer_") as tmp:
+    # A smoke run checks the path, not the speed: its runs go two processes at a time.
+    parallel = 2 if args.quick else 1
+    with (
+        tempfile.TemporaryDirectory(prefix="bench_trainer_") as tmp,
+        ThreadPoolExecutor(parallel) as pool,
+    ):
         for round_index in range(rounds):
             shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
-                tag = f"{name}_r{round_index}"
-                run = run_once(name, epochs, Path(tmp), tag, args.threads)
+            ordered = names[shift:] + names[:shift]
+            tags = [f"{name}_r{round_index}" for name in ordered]
+            launched = [
+                pool.submit(run_once, name, epochs, Path(tmp), tag, args.threads)
+                for name, tag in zip(ordered, tags, strict=True)
+            ]
+            for name, tag, future in zip(ordered, tags, launched, strict=True):
+                run = future.result()
                 summary = summarize_run(run)
                 runs[name].append(summary)
                 raw.append({**run, "round": round_index})
