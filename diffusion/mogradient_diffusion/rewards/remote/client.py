@@ -157,8 +157,7 @@ class RemoteReward(Reward):
             self.url = _checked_url(url)
             self.images_per_request = _images_per_request(self.protocol, batch_size)
             self.value_range = _checked_range(value_range, self.protocol.value_range)
-            _check_numbers(timeout, retries, backoff, concurrency)
-            _check_limits(deadline, max_response_mib)
+            _check_numbers(timeout, retries, backoff, concurrency, deadline, max_response_mib)
             if not isinstance(required, bool):
                 raise ValueError(f"required must be true or false, got {required!r}")
         except ValueError as error:
@@ -383,30 +382,33 @@ def _checked_range(value: Any, default: tuple[float, float]) -> tuple[float, flo
     raise ValueError(f"value_range must be [low, high] with low <= high, got {value!r}")
 
 
-def _check_numbers(timeout: Any, retries: Any, backoff: Any, concurrency: Any) -> None:
-    def number(x: Any) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
-    def count(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
 
-    if not (number(timeout) and timeout > 0):
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_numbers(
+    timeout: Any,
+    retries: Any,
+    backoff: Any,
+    concurrency: Any,
+    deadline: Any,
+    max_response_mib: Any,
+) -> None:
+    if not (_number(timeout) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if not (count(retries) and retries >= 0):
+    if not (_count(retries) and retries >= 0):
         raise ValueError(f"retries must be a whole number >= 0, got {retries!r}")
-    if not (number(backoff) and backoff >= 0):
+    if not (_number(backoff) and backoff >= 0):
         raise ValueError(f"backoff must be a number of seconds >= 0, got {backoff!r}")
-    if not (count(concurrency) and concurrency >= 1):
+    if not (_count(concurrency) and concurrency >= 1):
         raise ValueError(f"concurrency must be a whole number >= 1, got {concurrency!r}")
-
-
-def _check_limits(deadline: Any, max_response_mib: Any) -> None:
-    def number(x: Any) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-    if not (number(deadline) and deadline > 0):
+    if not (_number(deadline) and deadline > 0):
         raise ValueError(
             f"deadline must be a positive number of seconds (one batch, in all), got {deadline!r}"
         )
-    if not (number(max_response_mib) and max_response_mib > 0):
+    if not (_number(max_response_mib) and max_response_mib > 0):
         raise ValueError(f"max_response_mib must be a positive number, got {max_response_mib!r}")
